@@ -1,0 +1,294 @@
+"""Sequences over a block pool, sharing cached prefixes through a radix tree.
+
+A *sequence* is one request's block table. It starts from a prefix match,
+grows block by block, publishes its tokens to the tree with ``cache`` and ends
+with ``release``. Copy-on-write keeps every block a sequence writes private:
+
+    match: [ full | full | part· ]        cached, shared; part is valid up to ·
+    seq:   [ full | full | copy·.... ]    full blocks shared (one ref each);
+                                          the partial block is copied into a new
+                                          block the sequence owns, and it writes
+                                          its own tokens from · on
+
+Copies are not made here: ``take_block_copies`` hands ``BlockCopy`` orders to the
+engine, which runs them before the next forward pass, then calls
+``complete_block_copies``; until then the source block is held.
+
+Invariants (checked by ``check_invariants``, on top of the tree's and the pool's):
+    * ref_cnt[b] == #(live sequences listing b) + #(tree nodes listing b) + #(copies reading b)
+    * hold_cnt[b] == #(sequences listing b) + #(locked nodes listing b) + #(copies reading b)
+    * lock_ref(node) == #(sequences and pins locked on the node's subtree)
+    * a sequence owns ceil(num_tokens / block_size) blocks or more; its last block
+      (the one it writes) is referenced by nothing else while it is partial
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Hashable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbackend.core.block_pool import BlockPool
+from kvbackend.core.radix_node import PrefixMatch, RadixNode
+from kvbackend.core.radix_tree import RadixTree
+from kvbackend.core.token_ops import as_token_array
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the first ``num_tokens`` slots of block ``src`` into block ``dst``."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request's block table. ``block_ids[i]`` holds positions [i*bs, (i+1)*bs)."""
+
+    seq_id: int
+    namespace: Hashable
+    block_ids: list[int]
+    num_tokens: int
+    node: RadixNode = field(repr=False)  # the locked node, deepest known cached point
+    num_locked_tokens: int  # tokens of the sequence covered by ``node``'s path
+    released: bool = False
+
+
+class PrefixCache:
+    """Radix tree + block pool + live sequences: the engine-agnostic cache.
+
+    ``None`` means "not enough blocks now" (nothing was changed); misuse raises
+    ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        reserve_null_block: bool = True,
+        max_pinned_fraction: float = 0.5,
+    ) -> None:
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must lie in [0, 1], got {max_pinned_fraction}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, reserve_null_block=reserve_null_block)
+        self.tree = RadixTree(block_size, self.pool)
+        self.max_pinned_blocks = int(max_pinned_fraction * self.pool.num_usable_blocks)
+        self._pinned_blocks: dict[tuple[Hashable, bytes], int] = {}
+        self._sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count(1)
+        self._pending_copies: list[BlockCopy] = []
+        self._in_flight_copies: list[BlockCopy] = []
+
+    # ---------------------------------------------------------------- queries
+    def match(
+        self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None, *, max_tokens: int | None = None
+    ) -> PrefixMatch:
+        """Longest cached prefix of ``tokens[:max_tokens]``. See ``RadixTree.match``."""
+        tokens = as_token_array(tokens)
+        return self.tree.match(tokens if max_tokens is None else tokens[:max_tokens], namespace)
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Blocks that ``allocate`` can hand out now, evicting as needed. O(1)."""
+        return self.pool.num_free + self.pool.num_evictable
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return list(self._sequences.values())
+
+    # ---------------------------------------------------------- sequence life
+    def open_sequence(self, match: PrefixMatch, num_tokens: int | None = None) -> Sequence | None:
+        """Start a sequence from ``match`` with room for ``num_tokens`` (default: the match).
+
+        Shares the matched full blocks; a partial block is copied on write.
+        Complexity: O(depth + blocks). Returns None, changing nothing, when the
+        pool cannot supply the blocks.
+        """
+        if not self.tree.is_current(match):
+            raise ValueError("stale PrefixMatch: the cache changed since the match; match again")
+        total = match.num_tokens if num_tokens is None else num_tokens
+        if total < match.num_tokens:
+            raise ValueError(f"num_tokens {total} is below the {match.num_tokens} matched tokens")
+        shared = list(match.block_ids[: match.num_full_blocks])
+        num_new = -(-total // self.block_size) - len(shared)
+        self.tree.lock(match.node)  # keeps the matched blocks out of eviction below
+        new_blocks = self._allocate(num_new)
+        if new_blocks is None:
+            self.tree.unlock(match.node)
+            return None
+        self.pool.ref(shared, hold=True)
+        if match.num_partial_tokens:
+            self._order_copy(match.block_ids[-1], new_blocks[0], match.num_partial_tokens)
+        seq = Sequence(next(self._ids), match.node.namespace, shared + new_blocks, total,
+                       match.node, match.num_tokens)
+        self._sequences[seq.seq_id] = seq
+        return seq
+
+    def extend(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        """Grow ``seq`` to ``num_tokens`` tokens; returns the new block ids (maybe none).
+
+        All or nothing: None means the pool could not supply them. O(new blocks).
+        """
+        self._check_live(seq)
+        if num_tokens < seq.num_tokens:
+            raise ValueError(f"a sequence cannot shrink ({seq.num_tokens} -> {num_tokens} tokens)")
+        new_blocks = self._allocate(-(-num_tokens // self.block_size) - len(seq.block_ids))
+        if new_blocks is None:
+            return None
+        seq.block_ids.extend(new_blocks)
+        seq.num_tokens = num_tokens
+        return new_blocks
+
+    def cache(self, seq: Sequence, tokens: Seq[int] | np.ndarray, *, priority: int = 0) -> int:
+        """Publish ``tokens`` (the first ``len(tokens)`` tokens of ``seq``) to the tree.
+
+        Their KV must be in ``seq``'s blocks, or be written there before any other
+        sequence reads it (the engine's next forward pass). Returns how many tokens
+        were new to the tree. Complexity: O(depth + len(tokens) + blocks).
+        """
+        self._check_live(seq)
+        tokens = as_token_array(tokens)
+        if len(tokens) > seq.num_tokens:
+            raise ValueError(f"cannot cache {len(tokens)} tokens of a {seq.num_tokens}-token sequence")
+        result = self.tree.insert(tokens, seq.block_ids, seq.namespace, priority=priority)
+        if len(tokens) >= seq.num_locked_tokens:
+            self.tree.lock(result.node)
+            self.tree.unlock(seq.node)
+            seq.node, seq.num_locked_tokens = result.node, len(tokens)
+        return len(tokens) - result.num_existing_tokens
+
+    def fork(self, seq: Sequence) -> Sequence | None:
+        """A second sequence with the same tokens (n > 1 sampling, beam search).
+
+        Shares every full block; a partial last block is copied on write.
+        Returns None when no block is free for that copy. O(blocks).
+        """
+        self._check_live(seq)
+        num_full = seq.num_tokens // self.block_size
+        num_partial = seq.num_tokens % self.block_size
+        self.tree.lock(seq.node)
+        copy = self._allocate(1 if num_partial else 0)
+        if copy is None:
+            self.tree.unlock(seq.node)
+            return None
+        shared = seq.block_ids[:num_full]
+        self.pool.ref(shared, hold=True)
+        if num_partial:
+            self._order_copy(seq.block_ids[num_full], copy[0], num_partial)
+        child = Sequence(next(self._ids), seq.namespace, shared + copy, seq.num_tokens, seq.node,
+                         seq.num_locked_tokens)
+        self._sequences[child.seq_id] = child
+        return child
+
+    def release(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks and lock; cached blocks stay matchable. O(depth + blocks)."""
+        self._check_live(seq)
+        seq.released = True
+        del self._sequences[seq.seq_id]
+        self.pool.unref(seq.block_ids, hold=True)
+        self.tree.unlock(seq.node)
+
+    # -------------------------------------------------------------- retention
+    def pin(self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None) -> bool:
+        """Keep a cached prefix resident until ``unpin``. False when it is not fully
+        cached or pinning it would exceed ``max_pinned_fraction`` of the pool."""
+        tokens = as_token_array(tokens)
+        key = (namespace, tokens.tobytes())
+        if key in self._pinned_blocks:
+            return True
+        cost = -(-len(tokens) // self.block_size)
+        if sum(self._pinned_blocks.values()) + cost > self.max_pinned_blocks:
+            return False
+        if not self.tree.pin(tokens, namespace):
+            return False
+        self._pinned_blocks[key] = cost
+        return True
+
+    def unpin(self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None) -> None:
+        self.tree.unpin(tokens, namespace)
+        del self._pinned_blocks[(namespace, as_token_array(tokens).tobytes())]
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` cached blocks no one holds. O(k log n)."""
+        return self.tree.evict(num_blocks)
+
+    def clear(self) -> None:
+        """Drop every pin and every cached block no sequence holds."""
+        self.tree.unpin_all()
+        self._pinned_blocks.clear()
+        self.tree.evict(self.pool.num_blocks)
+
+    # ------------------------------------------------------------------ copies
+    def take_block_copies(self) -> list[BlockCopy]:
+        """Copies the engine must run before its next forward pass."""
+        copies, self._pending_copies = self._pending_copies, []
+        self._in_flight_copies.extend(copies)
+        return copies
+
+    def complete_block_copies(self) -> None:
+        """The engine ran every taken copy: release their sources."""
+        self.pool.unref([c.src for c in self._in_flight_copies], hold=True)
+        self._in_flight_copies.clear()
+
+    # ---------------------------------------------------------------- helpers
+    def _allocate(self, n: int) -> list[int] | None:
+        if n > self.num_allocatable_blocks:
+            return None
+        if n > self.pool.num_free:
+            self.tree.evict(n - self.pool.num_free)
+        return self.pool.allocate(n)
+
+    def _order_copy(self, src: int, dst: int, num_tokens: int) -> None:
+        self.pool.ref([src], hold=True)
+        self._pending_copies.append(BlockCopy(src, dst, num_tokens))
+
+    def _check_live(self, seq: Sequence) -> None:
+        if seq.released or self._sequences.get(seq.seq_id) is not seq:
+            raise ValueError(f"sequence {seq.seq_id} was already released")
+
+    def check_invariants(self) -> None:
+        """Recount every reference, hold and lock from scratch. O(nodes + blocks)."""
+        self.pool.check_invariants()
+        self.tree.check_invariants()
+        refs: Counter[int] = Counter()
+        holds: Counter[int] = Counter()
+        locks: Counter[int] = Counter()
+        for seq in self._sequences.values():
+            if len(seq.block_ids) < -(-seq.num_tokens // self.block_size):
+                raise RuntimeError(f"sequence {seq.seq_id} has too few blocks")
+            refs.update(seq.block_ids)
+            holds.update(seq.block_ids)
+            locks[seq.node.node_id] += 1
+        for node in self.tree._pins.values():
+            locks[node.node_id] += 1
+        for copy in self._pending_copies + self._in_flight_copies:
+            refs[copy.src] += 1
+            holds[copy.src] += 1
+        subtree_locks: dict[int, int] = {}
+        for node in sorted(self.tree.iter_nodes(all_namespaces=True), key=lambda n: -n.start):
+            refs.update(node.block_ids)
+            if node.lock_ref:
+                holds.update(node.block_ids)
+            below = sum(subtree_locks.get(c.node_id, 0) for c in node.children.values())
+            subtree_locks[node.node_id] = below + locks[node.node_id]
+            if node.lock_ref != subtree_locks[node.node_id]:
+                raise RuntimeError(f"{node!r}: lock_ref != {subtree_locks[node.node_id]} locks below")
+        for b in range(self.pool.num_blocks):
+            if self.pool.ref_cnt[b] != refs[b] or self.pool.hold_cnt[b] != holds[b]:
+                raise RuntimeError(
+                    f"block {b}: ref_cnt {self.pool.ref_cnt[b]} / hold_cnt {self.pool.hold_cnt[b]} "
+                    f"!= {refs[b]} holders / {holds[b]} holding")
+        listed = Counter(b for seq in self._sequences.values() for b in seq.block_ids)
+        for seq in self._sequences.values():
+            if seq.num_tokens % self.block_size:
+                written = seq.block_ids[seq.num_tokens // self.block_size]
+                if listed[written] != 1:
+                    raise RuntimeError(f"sequence {seq.seq_id} writes block {written}, "
+                                       "which another sequence lists")

@@ -1,0 +1,377 @@
+"""Compressed radix tree over token ids, one root per namespace.
+
+An edge holds a run of tokens as an int32 array; children are keyed by their
+first token, so a child lookup is one dict access. Matching is token-exact: the
+tree compares token ids, never hashes.
+
+    root(ns) ──[t0 .. t9]── A ──[t10 .. t27]── B      block_size 8:
+                             └──[u10 .. u15]── C      A holds blocks 0, 1
+                                                      B holds blocks 1', 2, 3
+                                                      C holds blocks 1'', ...
+
+A node that starts inside a block (B and C start at position 10, inside block 1)
+holds its own copy of that block: the copy is valid for positions [8, 10) too,
+because it was computed (or copied) by a sequence with the same tokens there.
+
+Invariants (checked by ``check_invariants``):
+    * children[t].tokens[0] == t; child.start == parent.end; child.parent is parent
+    * every non-root node has >= 1 token and exactly
+      (end - 1) // block_size - start // block_size + 1 block ids
+    * lock_ref(node) >= sum(lock_ref(child)); a root's lock_ref is 0
+    * the evictable set holds exactly the non-root leaves with lock_ref == 0,
+      each under its current key (priority, last_access, node_id)
+    * every pinned node is in the tree and its path spells the pinned tokens
+    * all nodes under a root carry that root's namespace
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from kvbackend.core.radix_node import InsertResult, PrefixMatch, RadixNode
+from kvbackend.core.stats import NamespaceStats
+from kvbackend.core.token_ops import TOKEN_DTYPE, as_token_array, common_prefix_length
+
+
+class BlockRefs(Protocol):
+    """What the tree needs from whoever owns the blocks (``BlockPool`` or an engine's allocator)."""
+
+    def ref(self, ids: Sequence[int], *, hold: bool) -> None: ...
+    def unref(self, ids: Sequence[int], *, hold: bool) -> int: ...
+    def hold(self, ids: Sequence[int]) -> None: ...
+    def unhold(self, ids: Sequence[int]) -> None: ...
+
+
+class RadixTree:
+    """Token-exact prefix index from token runs to KV block ids.
+
+    Eviction removes blocks from the tails of unlocked leaves, lowest priority
+    first, then least recently used: a shared prefix always outlives its suffixes.
+    """
+
+    def __init__(self, block_size: int, blocks: BlockRefs) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self._blocks = blocks
+        self._roots: dict[Hashable, RadixNode] = {}
+        self._evictable = SortedList()  # (priority, last_access, node_id, node) of unlocked leaves
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._pins: dict[tuple[Hashable, bytes], RadixNode] = {}
+        self.stats: dict[Hashable, NamespaceStats] = {}
+
+    # ----------------------------------------------------------------- queries
+    def match(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *, touch: bool = True
+    ) -> PrefixMatch:
+        """Longest cached prefix of ``tokens`` in ``namespace``.
+
+        Does not change what is cached; with ``touch`` it marks the path as used.
+        Complexity: O(depth + matched tokens + matched blocks).
+        """
+        tokens = as_token_array(tokens)
+        bs = self.block_size
+        node = self._roots.get(namespace)
+        if node is None:  # an unknown namespace: answer with a detached empty root
+            return PrefixMatch(0, (), _new_root(namespace), bs)
+        blocks: list[int] = []
+        pos, n = 0, len(tokens)
+        while pos < n:
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            k = common_prefix_length(child.tokens, 0, tokens, pos)
+            first = child.start // bs
+            del blocks[first:]  # a block index shared with the parent: the deeper copy wins
+            blocks.extend(child.block_ids[: (pos + k - 1) // bs - first + 1])
+            node, pos = child, pos + k
+            if k < len(child.tokens):
+                break
+        if touch:
+            self._touch_path(node)
+        return PrefixMatch(pos, tuple(blocks), node, bs)
+
+    def is_current(self, match: PrefixMatch) -> bool:
+        """Whether ``match`` still describes the tree (no eviction touched it). O(depth)."""
+        node = match.node
+        if node.is_root:
+            return True
+        if node.end < match.num_tokens:
+            return False
+        while not node.is_root:
+            if node.parent.children.get(int(node.tokens[0])) is not node:
+                return False
+            node = node.parent
+        return self._roots.get(node.namespace) is node
+
+    def namespaces(self) -> list[Hashable]:
+        return list(self._roots)
+
+    def iter_nodes(self, namespace: Hashable = None, *, all_namespaces: bool = False) -> Iterator[RadixNode]:
+        """Every non-root node (of one namespace, or of all). O(nodes)."""
+        roots = self._roots.values() if all_namespaces else [self._roots.get(namespace)]
+        stack = [r for r in roots if r is not None]
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            stack.extend(node.children.values())
+
+    @property
+    def num_evictable_leaves(self) -> int:
+        return len(self._evictable)
+
+    # --------------------------------------------------------------- mutation
+    def insert(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        namespace: Hashable = None,
+        *,
+        priority: int = 0,
+    ) -> InsertResult:
+        """Cache ``tokens`` whose KV lives in ``block_ids`` (block i holds positions [i*bs, (i+1)*bs)).
+
+        Tokens already cached keep their blocks; the tree takes one reference to each
+        block it adopts. ``priority`` is raised to at least ``priority`` on the whole
+        path (higher survives longer). Complexity: O(depth + len(tokens) + new blocks).
+        """
+        tokens = as_token_array(tokens)
+        n, bs = len(tokens), self.block_size
+        if len(block_ids) < -(-n // bs):
+            raise ValueError(f"{n} tokens need {-(-n // bs)} blocks of {bs}, got {len(block_ids)}")
+        node = self._root(namespace)
+        pos = 0
+        while pos < n:
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            k = common_prefix_length(child.tokens, 0, tokens, pos)
+            if k < len(child.tokens):
+                child = self._split(child, k)
+            node, pos = child, pos + k
+        existing = pos
+        if pos < n:
+            node = self._extend(node, tokens[pos:], block_ids)
+        self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += n - existing
+        self._raise_priority(node, priority)
+        self._touch_path(node)
+        return InsertResult(existing, node)
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect ``node`` and its ancestors from eviction. O(depth + newly held blocks)."""
+        while not node.is_root:
+            if node.lock_ref == 0:
+                self._blocks.hold(node.block_ids)
+            node.lock_ref += 1
+            self._refresh(node)
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one ``lock(node)``. O(depth + released blocks)."""
+        while not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {node!r} indicates a bug")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._blocks.unhold(node.block_ids)
+            self._refresh(node)
+            node = node.parent
+
+    def pin(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None) -> bool:
+        """Keep the cached prefix ``tokens`` resident until ``unpin``; idempotent.
+
+        Returns False (and pins nothing) unless all of ``tokens`` are cached.
+        """
+        tokens = as_token_array(tokens)
+        key = (namespace, tokens.tobytes())
+        if key in self._pins:
+            return True
+        found = self.match(tokens, namespace)
+        if found.num_tokens != len(tokens) or not len(tokens):
+            return False
+        node = found.node
+        if node.end > len(tokens):
+            node = self._split(node, len(tokens) - node.start)
+        self.lock(node)
+        self._pins[key] = node
+        return True
+
+    def unpin(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None) -> None:
+        """Release a ``pin``; raises ValueError if ``tokens`` were never pinned."""
+        key = (namespace, as_token_array(tokens).tobytes())
+        node = self._pins.pop(key, None)
+        if node is None:
+            raise ValueError(f"unpin of a prefix that is not pinned ({len(key[1]) // 4} tokens, "
+                             f"namespace {namespace!r})")
+        self.unlock(node)
+
+    def unpin_all(self) -> None:
+        for node in self._pins.values():
+            self.unlock(node)
+        self._pins.clear()
+
+    def evict(self, num_blocks: int) -> int:
+        """Free at least ``num_blocks`` blocks if possible; returns how many were freed.
+
+        Takes blocks from the tail of the lowest (priority, last use) unlocked leaf,
+        repeatedly. Complexity: O(k log n) for k blocks dropped, n evictable leaves.
+        """
+        freed = 0
+        while freed < num_blocks and self._evictable:
+            leaf = self._evictable[0][3]
+            stats = self.stats.setdefault(leaf.namespace, NamespaceStats())
+            keep = max(len(leaf.block_ids) - (num_blocks - freed), 0)
+            new_end = (leaf.start // self.block_size + keep) * self.block_size
+            if new_end <= leaf.start:
+                dropped = self._blocks.unref(leaf.block_ids, hold=False)
+                self._remove_leaf(leaf)
+            else:
+                dropped = self._blocks.unref(leaf.block_ids[keep:], hold=False)
+                leaf.tokens = leaf.tokens[: new_end - leaf.start].copy()
+                del leaf.block_ids[keep:]
+            stats.evicted_blocks += dropped
+            freed += dropped
+        return freed
+
+    def record_query(self, namespace: Hashable, num_query_tokens: int, num_hit_tokens: int) -> None:
+        stats = self.stats.setdefault(namespace, NamespaceStats())
+        stats.queries += 1
+        stats.query_tokens += num_query_tokens
+        stats.hit_tokens += num_hit_tokens
+
+    # ---------------------------------------------------------------- helpers
+    def _root(self, namespace: Hashable) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _new_root(namespace)
+        return root
+
+    def _extend(self, node: RadixNode, tail: np.ndarray, block_ids: Sequence[int]) -> RadixNode:
+        """Add ``tail`` after ``node``: grow ``node`` in place when it is a leaf whose
+        last block is the caller's own, else hang a new leaf under it."""
+        bs, pos = self.block_size, node.end
+        end = pos + len(tail)
+        first_new = -(-pos // bs)  # first block index that starts at or after pos
+        boundary_is_own = pos % bs == 0 or (node.block_ids and node.block_ids[-1] == block_ids[pos // bs])
+        if not node.is_root and not node.children and boundary_is_own and not self._is_pinned_end(node):
+            new_blocks = list(block_ids[first_new : -(-end // bs)])
+            self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
+            node.tokens = np.concatenate([node.tokens, tail])
+            node.block_ids.extend(new_blocks)
+            return node
+        leaf_blocks = list(block_ids[pos // bs : -(-end // bs)])
+        self._blocks.ref(leaf_blocks, hold=False)
+        leaf = RadixNode(node.namespace, node, tail.copy(), pos, leaf_blocks, next(self._ids))
+        leaf.priority = node.priority if not node.is_root else 0
+        node.children[int(tail[0])] = leaf
+        self._refresh(node)
+        self._refresh(leaf)
+        return leaf
+
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        """Cut ``node`` after its first ``k`` tokens; returns the new upper node."""
+        bs = self.block_size
+        cut = node.start + k
+        first = node.start // bs
+        upper_blocks = node.block_ids[: (cut - 1) // bs - first + 1]
+        lower_blocks = node.block_ids[cut // bs - first :]
+        if cut % bs:  # the block around the cut now belongs to both halves
+            self._blocks.ref([lower_blocks[0]], hold=node.lock_ref > 0)
+        upper = RadixNode(node.namespace, node.parent, node.tokens[:k].copy(), node.start,
+                          upper_blocks, next(self._ids))
+        upper.lock_ref, upper.priority, upper.last_access = node.lock_ref, node.priority, node.last_access
+        node.parent.children[int(node.tokens[0])] = upper
+        node.tokens = node.tokens[k:].copy()
+        node.start, node.block_ids, node.parent = cut, lower_blocks, upper
+        upper.children[int(node.tokens[0])] = node
+        return upper
+
+    def _remove_leaf(self, leaf: RadixNode) -> None:
+        parent = leaf.parent
+        self._discard(leaf)
+        del parent.children[int(leaf.tokens[0])]
+        if parent.is_root:
+            if not parent.children:
+                del self._roots[parent.namespace]
+        else:
+            self._refresh(parent)
+
+    def _is_pinned_end(self, node: RadixNode) -> bool:
+        return node.lock_ref > 0 and any(p is node for p in self._pins.values())  # O(pins)
+
+    def _touch_path(self, node: RadixNode) -> None:
+        now = next(self._clock)
+        while not node.is_root:
+            node.last_access = now
+            if node.evict_key is not None:
+                self._refresh(node)
+            node = node.parent
+
+    def _raise_priority(self, node: RadixNode, priority: int) -> None:
+        while not node.is_root and node.priority < priority:
+            node.priority = priority
+            self._refresh(node)
+            node = node.parent
+
+    def _discard(self, node: RadixNode) -> None:
+        if node.evict_key is not None:
+            self._evictable.remove((*node.evict_key, node))
+            node.evict_key = None
+
+    def _refresh(self, node: RadixNode) -> None:
+        """Put ``node`` in the evictable set under its current key, or take it out."""
+        self._discard(node)
+        if not node.is_root and not node.children and node.lock_ref == 0:
+            node.evict_key = (node.priority, node.last_access, node.node_id)
+            self._evictable.add((*node.evict_key, node))
+
+    # ------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Assert every invariant in the module docstring. O(nodes + cached tokens)."""
+        bs = self.block_size
+        expected_evictable = set()
+        for ns, root in self._roots.items():
+            if root.tokens.size or root.block_ids or root.lock_ref:
+                raise RuntimeError(f"root of {ns!r} must be empty and unlocked")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                if node.namespace != ns:
+                    raise RuntimeError(f"{node!r} sits under the root of {ns!r}")
+                child_locks = 0
+                for t, child in node.children.items():
+                    if child.parent is not node or child.start != node.end:
+                        raise RuntimeError(f"{child!r} is not attached at the end of {node!r}")
+                    if not len(child.tokens) or int(child.tokens[0]) != t:
+                        raise RuntimeError(f"{child!r} is keyed by {t} but starts otherwise")
+                    if len(child.block_ids) != (child.end - 1) // bs - child.start // bs + 1:
+                        raise RuntimeError(f"{child!r} holds the wrong number of blocks")
+                    child_locks += child.lock_ref
+                    stack.append(child)
+                if not node.is_root and node.lock_ref < child_locks:
+                    raise RuntimeError(f"{node!r} has fewer locks than its children")
+                if not node.is_root and not node.children and node.lock_ref == 0:
+                    expected_evictable.add(node.node_id)
+                key = (node.priority, node.last_access, node.node_id)
+                if node.evict_key is not None and node.evict_key != key:
+                    raise RuntimeError(f"{node!r} is in the evictable set under a stale key")
+        actual = {entry[2] for entry in self._evictable}
+        if actual != expected_evictable or len(self._evictable) != len(actual):
+            raise RuntimeError(f"evictable set {sorted(actual)} != unlocked leaves "
+                               f"{sorted(expected_evictable)}")
+        for (ns, raw), node in self._pins.items():
+            if self._roots.get(ns) is None or node.lock_ref <= 0:
+                raise RuntimeError(f"pinned {node!r} is not locked in the tree")
+            if node.path_tokens().tobytes() != raw:
+                raise RuntimeError(f"pinned {node!r} no longer spells its tokens")
+
+
+def _new_root(namespace: Hashable) -> RadixNode:
+    return RadixNode(namespace, None, np.empty(0, TOKEN_DTYPE), 0, [], 0)

@@ -1,0 +1,98 @@
+"""Hot loops over token-id arrays, compiled with numba.
+
+Token sequences are held as contiguous ``numpy.int32`` arrays everywhere in the
+core; these helpers are the only places that walk them element by element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numba
+import numpy as np
+
+TOKEN_DTYPE = np.int32
+_MAX_TOKEN_ID = np.iinfo(TOKEN_DTYPE).max
+
+
+@numba.njit(cache=True, nogil=True)
+def _common_prefix_length(a, a_start, b, b_start, limit):  # pragma: no cover - compiled
+    i = 0
+    while i < limit and a[a_start + i] == b[b_start + i]:
+        i += 1
+    return i
+
+
+def common_prefix_length(a: np.ndarray, a_start: int, b: np.ndarray, b_start: int) -> int:
+    """Length of the longest common prefix of ``a[a_start:]`` and ``b[b_start:]``.
+
+    Complexity: O(result), no temporary arrays.
+    """
+    limit = min(len(a) - a_start, len(b) - b_start)
+    if limit <= 0:
+        return 0
+    return int(_common_prefix_length(a, a_start, b, b_start, limit))
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Validate token ids and return them as a contiguous int32 array.
+
+    Raises ``ValueError`` for negative, too large or non-integer ids, and for arrays
+    that are not one-dimensional. Complexity: O(n); no copy for a valid int32 array.
+    """
+    if isinstance(tokens, np.ndarray):
+        array = tokens
+    else:
+        array = np.asarray(tokens)
+        if array.size == 0:
+            array = array.astype(TOKEN_DTYPE)
+    if array.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {array.shape}")
+    if array.dtype != TOKEN_DTYPE:
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {array.dtype}")
+        if array.size and (array.min() < 0 or array.max() > _MAX_TOKEN_ID):
+            raise ValueError(
+                f"token ids must lie in [0, {_MAX_TOKEN_ID}], "
+                f"got min {array.min()} and max {array.max()}"
+            )
+        array = array.astype(TOKEN_DTYPE)
+    elif array.size and array.min() < 0:
+        raise ValueError(f"token ids must be non-negative, got {array.min()}")
+    return np.ascontiguousarray(array)
+
+
+class TokenBuffer:
+    """A growable int32 token array with amortized O(1) append.
+
+    Engines hand tokens over as Python lists that grow by a few ids per step;
+    ``sync`` copies only the ids that are new since the last call.
+    """
+
+    __slots__ = ("_data", "_size")
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._data = np.empty(max(capacity, 16), dtype=TOKEN_DTYPE)
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def sync(self, tokens: Sequence[int]) -> np.ndarray:
+        """Append ``tokens[len(self):]`` and return a view of all tokens.
+
+        Complexity: O(number of new tokens), amortized.
+        """
+        new = len(tokens) - self._size
+        if new < 0:
+            raise ValueError(f"token sequence shrank from {self._size} to {len(tokens)} ids")
+        if new:
+            fresh = as_token_array(tokens[self._size :])
+            end = self._size + new
+            if end > len(self._data):
+                grown = np.empty(max(end, 2 * len(self._data)), dtype=TOKEN_DTYPE)
+                grown[: self._size] = self._data[: self._size]
+                self._data = grown
+            self._data[self._size : end] = fresh
+            self._size = end
+        return self._data[: self._size]

@@ -1,0 +1,111 @@
+"""Build a tiny random-weight Llama model directory for tests and benchmarks.
+
+Nothing is downloaded: the model is a randomly initialised ``LlamaForCausalLM``
+and the tokenizer is a word-level vocabulary (``<unk> <s> </s> w0 w1 ...``)
+built in memory, so that ``"w5 w17 w3"`` encodes to three tokens.
+
+Usage: ``python -m kvbackend.testing.tiny_model DIR [--hidden-size 64 ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+_PARAMS_KEY = "kvbackend_tiny_llama"
+
+
+def build_tiny_llama(
+    path: str,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 8192,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> str:
+    """Create (or reuse) a random Llama + word-level tokenizer in ``path``; return ``path``.
+
+    Deterministic for a given ``seed``. If ``path/config.json`` was written by an
+    earlier call with the same parameters, nothing is rebuilt. vLLM's CPU attention
+    needs ``hidden_size // num_heads`` in {32, 64, 80, 96, 112, 128, ...}.
+    """
+    params = dict(
+        hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+        seed=seed, dtype=dtype,
+    )
+    config_path = os.path.join(path, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            if json.load(f).get(_PARAMS_KEY) == params:
+                return path
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed {len(SPECIAL_TOKENS)}")
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(
+        hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False,
+    )
+    setattr(config, _PARAMS_KEY, params)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+
+    words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS))]
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        model_max_length=max_position_embeddings,
+    )
+
+    # Build in a sibling temp dir and move config.json last, so an interrupted
+    # build is never mistaken for a finished one.
+    os.makedirs(path, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny_llama_", dir=path)
+    try:
+        model.save_pretrained(tmp)
+        hf_tok.save_pretrained(tmp)
+        names = sorted(os.listdir(tmp), key=lambda n: n == "config.json")
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--max-position-embeddings", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    args = vars(parser.parse_args(argv))
+    print(build_tiny_llama(args.pop("path"), **args))
+
+
+if __name__ == "__main__":
+    main()
