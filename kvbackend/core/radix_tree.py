@@ -223,9 +223,12 @@ class RadixTree:
         Takes blocks from the tail of the lowest (priority, last use) unlocked leaf,
         repeatedly. Complexity: O(k log n) for k blocks dropped, n evictable leaves.
         """
-        freed = 0
-        while freed < num_blocks and self._evictable:
-            leaf = self._evictable[0][3]
+        freed = skipped = 0
+        while freed < num_blocks and skipped < len(self._evictable):
+            leaf = self._evictable[skipped][3]
+            if self._frees_nothing(leaf):
+                skipped += 1
+                continue
             stats = self.stats.setdefault(leaf.namespace, NamespaceStats())
             keep = max(len(leaf.block_ids) - (num_blocks - freed), 0)
             new_end = (leaf.start // self.block_size + keep) * self.block_size
@@ -302,6 +305,11 @@ class RadixTree:
                 del self._roots[parent.namespace]
         else:
             self._refresh(parent)
+
+    def _frees_nothing(self, leaf: RadixNode) -> bool:
+        """A leaf whose only block is the one it shares with a locked parent."""
+        return (len(leaf.block_ids) == 1 and leaf.start % self.block_size != 0
+                and leaf.parent.lock_ref > 0 and leaf.parent.block_ids[-1] == leaf.block_ids[0])
 
     def _is_pinned_end(self, node: RadixNode) -> bool:
         return node.lock_ref > 0 and any(p is node for p in self._pins.values())  # O(pins)

@@ -76,7 +76,7 @@ def build_tiny_llama(
         model_max_length=max_position_embeddings,
     )
 
-    # Build in a sibling temp dir and move config.json last, so an interrupted
+    # Save into a temp dir under path, then move config.json last, so an interrupted
     # build is never mistaken for a finished one.
     os.makedirs(path, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny_llama_", dir=path)

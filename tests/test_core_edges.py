@@ -1,0 +1,162 @@
+"""Edge cases of matching, copy-on-write, eviction order and retention."""
+
+import pytest
+
+from kvbackend.core import PrefixCache
+
+BS = 4
+
+
+def run(cache, tokens, namespace=None, priority=0):
+    """Open, cache and release a sequence for ``tokens``; returns its hit length."""
+    match = cache.match(tokens, namespace)
+    seq = cache.open_sequence(match, len(tokens))
+    assert seq is not None
+    cache.take_block_copies()
+    cache.complete_block_copies()
+    cache.cache(seq, tokens, priority=priority)
+    cache.release(seq)
+    cache.check_invariants()
+    return match.num_tokens
+
+
+@pytest.fixture
+def cache():
+    return PrefixCache(num_blocks=17, block_size=BS)
+
+
+def test_empty_prompt_matches_nothing_and_allocates_nothing(cache):
+    match = cache.match([])
+    assert (match.num_tokens, match.block_ids) == (0, ())
+    seq = cache.open_sequence(match)
+    assert seq.block_ids == [] and cache.pool.num_free == 16
+    cache.release(seq)
+    cache.check_invariants()
+
+
+def test_prompt_shorter_than_a_block_is_reused_by_copy(cache):
+    run(cache, [5, 6])
+    match = cache.match([5, 6, 7])
+    assert (match.num_tokens, match.num_full_blocks, match.num_partial_tokens) == (2, 0, 2)
+    seq = cache.open_sequence(match, 3)
+    (copy,) = cache.take_block_copies()
+    assert (copy.src, copy.num_tokens) == (match.partial_block_id, 2)
+    assert copy.dst == seq.block_ids[0] != copy.src
+
+
+def test_exact_block_boundary_shares_without_copy(cache):
+    run(cache, list(range(8)))
+    match = cache.match(list(range(8)) + [99])
+    assert match.num_tokens == 8 and match.num_partial_tokens == 0
+    seq = cache.open_sequence(match, 9)
+    assert cache.take_block_copies() == []
+    assert seq.block_ids[:2] == list(match.block_ids)
+
+
+def test_prefix_of_a_cached_prompt_and_the_reverse(cache):
+    run(cache, list(range(10)))
+    assert cache.match(list(range(6))).num_tokens == 6
+    assert run(cache, list(range(6))) == 6
+    assert run(cache, list(range(12))) == 10
+    assert cache.match(list(range(12))).num_tokens == 12
+
+
+def test_divergence_inside_a_block_gives_each_branch_its_own_block(cache):
+    run(cache, [1, 2, 3, 4, 5, 6])
+    run(cache, [1, 2, 3, 4, 5, 9, 9])
+    a, b = cache.match([1, 2, 3, 4, 5, 6]), cache.match([1, 2, 3, 4, 5, 9, 9])
+    assert a.block_ids[0] == b.block_ids[0] and a.block_ids[1] != b.block_ids[1]
+    assert cache.match([1, 2, 3, 4, 5]).num_tokens == 5
+
+
+def test_pool_exhausted_returns_none_and_changes_nothing():
+    cache = PrefixCache(num_blocks=4, block_size=BS)  # 3 usable blocks
+    seq = cache.open_sequence(cache.match([1] * 8), 8)
+    assert cache.open_sequence(cache.match([2] * 8), 8) is None
+    assert cache.extend(seq, 13) is None and seq.num_tokens == 8
+    assert cache.pool.num_free == 1
+    cache.check_invariants()
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one(cache):
+    seq = cache.open_sequence(cache.match(list(range(6))), 6)
+    child = cache.fork(seq)
+    assert child.block_ids[0] == seq.block_ids[0]
+    assert child.block_ids[1] != seq.block_ids[1]
+    assert cache.take_block_copies()[0].num_tokens == 2
+    cache.complete_block_copies()
+    cache.check_invariants()
+
+
+def test_eviction_is_lru_and_leaves_first(cache):
+    run(cache, [1, 1, 1, 1, 2, 2, 2, 2])  # shared prefix [1]*4 with suffix A
+    run(cache, [1, 1, 1, 1, 3, 3, 3, 3])  # suffix B
+    run(cache, [7, 7, 7, 7])  # C
+    cache.match([1, 1, 1, 1, 2, 2, 2, 2])  # touch A: order of last use is B, C, A
+    assert cache.evict(1) == 1
+    assert cache.match([1, 1, 1, 1, 3, 3, 3, 3]).num_tokens == 4  # B's suffix, not the prefix
+    assert cache.evict(1) == 1
+    assert cache.match([7, 7, 7, 7]).num_tokens == 0
+    assert cache.match([1, 1, 1, 1, 2, 2, 2, 2]).num_tokens == 8
+    assert cache.evict(2) == 2  # A's suffix, then the prefix it shared
+    assert cache.match([1, 1, 1, 1]).num_tokens == 0
+    cache.check_invariants()
+
+
+def test_priority_outlives_recency(cache):
+    run(cache, [4] * 4, priority=5)
+    run(cache, [8] * 4)
+    cache.evict(1)
+    assert cache.match([4] * 4).num_tokens == 4 and cache.match([8] * 4).num_tokens == 0
+
+
+def test_pinned_prefix_survives_eviction_until_unpinned(cache):
+    run(cache, [3] * 8)
+    assert cache.pin([3] * 6)
+    assert cache.evict(16) == 0  # the pinned path covers both blocks
+    assert cache.match([3] * 8).num_tokens == 8
+    cache.unpin([3] * 6)
+    assert cache.evict(16) == 2
+    cache.check_invariants()
+
+
+def test_pin_refuses_uncached_prefixes_and_a_pool_sized_pin(cache):
+    assert not cache.pin([9, 9])
+    small = PrefixCache(num_blocks=9, block_size=BS, max_pinned_fraction=0.25)  # 2 blocks
+    run(small, list(range(12)))
+    assert not small.pin(list(range(12)))
+    assert small.pin(list(range(8)))
+
+
+def test_held_blocks_are_never_evicted(cache):
+    seq = cache.open_sequence(cache.match([1] * 8), 8)
+    cache.cache(seq, [1] * 8)
+    assert cache.evict(16) == 0
+    assert cache.match([1] * 8).num_tokens == 8
+    cache.release(seq)
+    assert cache.evict(16) == 2
+
+
+def test_namespaces_never_share_entries(cache):
+    run(cache, [1, 2, 3, 4], namespace="a")
+    assert cache.match([1, 2, 3, 4], "b").num_tokens == 0
+    assert cache.match([1, 2, 3, 4]).num_tokens == 0
+    assert run(cache, [1, 2, 3, 4], namespace="b") == 0
+    assert cache.tree.stats["a"].inserted_tokens == 4 == cache.tree.stats["b"].inserted_tokens
+
+
+def test_stale_match_is_refused(cache):
+    run(cache, [1] * 8)
+    match = cache.match([1] * 8)
+    cache.evict(16)
+    with pytest.raises(ValueError, match="stale"):
+        cache.open_sequence(match)
+
+
+def test_stats_count_queries_hits_inserts_and_evictions(cache):
+    run(cache, [1] * 8, namespace="t")
+    cache.tree.record_query("t", 8, 6)
+    cache.evict(2)
+    stats = cache.tree.stats["t"]
+    assert (stats.queries, stats.query_tokens, stats.hit_tokens) == (1, 8, 6)
+    assert (stats.inserted_tokens, stats.evicted_blocks) == (8, 2)
