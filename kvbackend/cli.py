@@ -1,0 +1,199 @@
+"""``kvbackend`` command line: inspect and maintain a disk-tier cache directory.
+
+    kvbackend cache stats  DIR [--json]
+    kvbackend cache verify DIR [--delete] [--no-progress]   exit 1 if a file is bad
+    kvbackend cache clear  DIR [--model DIGEST_PREFIX]
+
+``--model`` matches a prefix of the identity digest (directory name) or of the
+model fingerprint recorded in ``identity.json``. ``clear`` removes only files
+the format defines (block, temp and identity files), never other files.
+Exit codes: 0 success, 1 bad files found (verify), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import TextIO
+
+from kvbackend.store.block_file import CorruptBlock, verify_file
+from kvbackend.store.disk_tier import IDENTITY_FILE
+from kvbackend.store.scan import IdentityDir, block_files, identity_dirs
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class ProgressBar:
+    """A one-line text progress bar on a stream, redrawn at most every ``interval`` s."""
+
+    def __init__(self, total: int, stream: TextIO, *, width: int = 30, interval: float = 0.1,
+                 enabled: bool = True) -> None:
+        self.total, self.stream, self.width = total, stream, width
+        self.interval, self.enabled = interval, enabled
+        self._last = 0.0
+
+    def update(self, done: int, nbytes: int, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self._last < self.interval):
+            return
+        self._last = now
+        frac = done / self.total if self.total else 1.0
+        filled = int(frac * self.width)
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.stream.write(f"\rverify [{bar}] {done}/{self.total} files, {human_bytes(nbytes)}")
+        self.stream.flush()
+
+    def close(self, done: int, nbytes: int) -> None:
+        self.update(done, nbytes, force=True)
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    rows = []
+    for ident in identity_dirs(args.dir):
+        blocks = temps = nbytes = 0
+        for entry in block_files(ident):
+            if entry.is_temp:
+                temps += 1
+            else:
+                blocks += 1
+                nbytes += entry.size
+        info = ident.identity or {}
+        rows.append(dict(identity=ident.digest, model=ident.model_fingerprint,
+                         kv_dtype=info.get("kv_dtype"), block_size=info.get("block_size"),
+                         kv_layout=info.get("kv_layout"), tp_rank=info.get("tp_rank"),
+                         tp_size=info.get("tp_size"), entries=blocks, bytes=nbytes,
+                         temp_files=temps))
+    total_entries = sum(r["entries"] for r in rows)
+    total_bytes = sum(r["bytes"] for r in rows)
+    if args.json:
+        print(json.dumps(dict(directory=str(args.dir), entries=total_entries, bytes=total_bytes,
+                              identities=rows), indent=1))
+        return 0
+    print(f"{args.dir}: {total_entries} blocks, {human_bytes(total_bytes)} "
+          f"({total_bytes} bytes) in {len(rows)} identities")
+    if rows:
+        print(f"{'IDENTITY':<14}{'MODEL':<14}{'DTYPE':<10}{'BLOCK':>6} {'TP':>5}"
+              f"{'BLOCKS':>9}{'BYTES':>12}{'TMP':>5}")
+    for r in rows:
+        tp = "?" if r["tp_rank"] is None else f"{r['tp_rank']}/{r['tp_size']}"
+        print(f"{r['identity'][:12]:<14}{(r['model'] or '?')[:12]:<14}"
+              f"{str(r['kv_dtype'] or '?')[:9]:<10}{str(r['block_size'] or '?'):>6} {tp:>5}"
+              f"{r['entries']:>9}{human_bytes(r['bytes']):>12}{r['temp_files']:>5}")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    files = [(ident, e) for ident in identity_dirs(args.dir) for e in block_files(ident)
+             if not e.is_temp]
+    progress = ProgressBar(len(files), sys.stderr, enabled=not args.no_progress)
+    bad: list[tuple[str, str]] = []
+    checked_bytes = 0
+    for done, (ident, entry) in enumerate(files, 1):
+        try:
+            verify_file(entry.path, ident.digest, entry.key)
+        except FileNotFoundError:
+            continue  # evicted meanwhile
+        except (CorruptBlock, OSError) as e:
+            bad.append((entry.path, str(e)))
+            if args.delete:
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        checked_bytes += entry.size
+        progress.update(done, checked_bytes)
+    progress.close(len(files), checked_bytes)
+    for path, reason in bad:
+        print(f"BAD {path}: {reason}{' (deleted)' if args.delete else ''}")
+    print(f"verified {len(files)} block files, {human_bytes(checked_bytes)}: "
+          f"{len(files) - len(bad)} ok, {len(bad)} bad")
+    return 1 if bad else 0
+
+
+def _remove_identity(ident: IdentityDir) -> tuple[int, int]:
+    files = nbytes = 0
+    subdirs = set()
+    for entry in block_files(ident):
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        subdirs.add(os.path.dirname(entry.path))
+        if not entry.is_temp:
+            files += 1
+            nbytes += entry.size
+    for path in sorted(subdirs) + [os.path.join(ident.path, IDENTITY_FILE)]:
+        try:
+            os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
+        except OSError:
+            pass  # not empty (a concurrent writer, or a foreign file): leave it
+    try:
+        os.rmdir(ident.path)
+    except OSError:
+        pass
+    return files, nbytes
+
+
+def _cmd_clear(args: argparse.Namespace) -> int:
+    idents = identity_dirs(args.dir)
+    chosen = [i for i in idents if args.model is None or i.matches(args.model)]
+    if args.model is not None and not chosen:
+        present = ", ".join(f"{i.digest[:12]} (model {(i.model_fingerprint or '?')[:12]})"
+                            for i in idents) or "none"
+        print(f"no identity matches model prefix {args.model!r}; present: {present}")
+        return 0
+    files = nbytes = 0
+    for ident in chosen:
+        f, b = _remove_identity(ident)
+        files += f
+        nbytes += b
+    print(f"removed {files} block files, {human_bytes(nbytes)} ({nbytes} bytes), "
+          f"from {len(chosen)} of {len(idents)} identities")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbackend", description=__doc__.splitlines()[0])
+    top = parser.add_subparsers(dest="group", required=True)
+    cache = top.add_parser("cache", help="inspect or maintain a disk-tier cache directory")
+    sub = cache.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("stats", help="blocks and bytes per identity")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_stats)
+    p = sub.add_parser("verify", help="check every block file's checksum (exit 1 if any is bad)")
+    p.add_argument("dir")
+    p.add_argument("--delete", action="store_true", help="delete bad files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=_cmd_verify)
+    p = sub.add_parser("clear", help="delete cached blocks")
+    p.add_argument("dir")
+    p.add_argument("--model", metavar="DIGEST_PREFIX",
+                   help="only identities whose digest or model fingerprint starts with this")
+    p.set_defaults(func=_cmd_clear)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        print(f"kvbackend: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

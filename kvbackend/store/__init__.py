@@ -1,0 +1,18 @@
+"""Engine-agnostic persistent tier store for KV blocks: never imports vLLM, SGLang or torch.
+
+* ``identity``: ``CacheIdentity`` and ``model_fingerprint`` (what the KV depends on)
+* ``block_key``: chained sha256 block keys (which prefix a block holds)
+* ``host_tier``: in-memory LRU tier; ``disk_tier``: persistent, checksummed file tier
+* ``block_file``: the on-disk block format (documented in ``disk_tier``)
+"""
+
+from kvbackend.store.block_key import chain_key, compute_block_keys
+from kvbackend.store.disk_tier import DiskTier
+from kvbackend.store.host_tier import HostTier
+from kvbackend.store.identity import CacheIdentity, model_fingerprint
+from kvbackend.store.tier import Payload, TierStore
+
+__all__ = [
+    "CacheIdentity", "DiskTier", "HostTier", "Payload", "TierStore", "chain_key",
+    "compute_block_keys", "model_fingerprint",
+]

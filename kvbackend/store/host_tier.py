@@ -1,0 +1,155 @@
+"""In-memory LRU tier: key -> payload, bounded by payload bytes.
+
+Invariants (``check_invariants``):
+    * ``bytes_used == sum(entry.nbytes) <= max_bytes``
+    * every entry's ``nbytes == payload_nbytes(entry.payload)``
+    * LRU order: the OrderedDict runs from least to most recently used; each
+      entry's access stamp is strictly greater than its predecessor's and
+      smaller than the tier's clock.
+
+Payloads are stored by reference when they are ``bytes`` or ``np.ndarray``
+(zero copy: the caller hands the array over and must not mutate it);
+``bytearray`` and ``memoryview`` are copied to ``bytes`` since they are views
+on buffers the caller keeps writing. Thread-safe (one lock; all operations O(1)
+except eviction, O(#evicted)).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbackend.store.tier import Payload, check_key, payload_nbytes
+
+
+@dataclass(slots=True)
+class _Entry:
+    payload: bytes | np.ndarray
+    nbytes: int
+    num_tokens: int
+    stamp: int
+
+
+class HostTier:
+    """LRU cache of KV block payloads in host memory, at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._clock = 0
+        self._lock = threading.Lock()
+        self._counters = dict(hits=0, misses=0, puts=0, rejected=0, evictions=0)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _evict_locked(self, max_bytes: int) -> int:
+        evicted = 0
+        while self._bytes > max_bytes:
+            _, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.nbytes
+            evicted += 1
+        self._counters["evictions"] += evicted
+        return evicted
+
+    def put(self, key: str, payload: Payload, num_tokens: int) -> bool:
+        """Insert or replace ``key`` as most recently used; evicts LRU entries to fit.
+
+        Returns False (and stores nothing) if the payload alone exceeds ``max_bytes``.
+        """
+        check_key(key)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        nbytes = payload_nbytes(payload)
+        if isinstance(payload, (bytearray, memoryview)):
+            payload = bytes(payload)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            if nbytes > self.max_bytes:
+                self._counters["rejected"] += 1
+                return False
+            self._evict_locked(self.max_bytes - nbytes)
+            self._entries[key] = _Entry(payload, nbytes, num_tokens, self._tick())
+            self._bytes += nbytes
+            self._counters["puts"] += 1
+            return True
+
+    def get(self, key: str) -> bytes | np.ndarray | None:
+        """The payload, marked most recently used; None on a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._counters["misses"] += 1
+                return None
+            self._entries.move_to_end(key)
+            entry.stamp = self._tick()
+            self._counters["hits"] += 1
+            return entry.payload
+
+    def num_tokens(self, key: str) -> int | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.num_tokens
+
+    def contains(self, key: str) -> bool:
+        return key in self._entries
+
+    def contains_prefix(self, keys: list[str]) -> int:
+        """O(result + 1)."""
+        n = 0
+        for key in keys:
+            if key not in self._entries:
+                break
+            n += 1
+        return n
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._bytes -= entry.nbytes
+            return True
+
+    def evict_to(self, max_bytes: int) -> int:
+        with self._lock:
+            return self._evict_locked(max(0, max_bytes))
+
+    def keys_lru(self) -> list[str]:
+        """Keys from least to most recently used. O(n)."""
+        return list(self._entries)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._counters, entries=len(self._entries), bytes=self._bytes,
+                    max_bytes=self.max_bytes)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant. O(n)."""
+        total = 0
+        prev_stamp = 0
+        for key, entry in self._entries.items():
+            actual = payload_nbytes(entry.payload)
+            assert entry.nbytes == actual, f"{key}: nbytes {entry.nbytes} != payload {actual}"
+            assert entry.stamp > prev_stamp, (
+                f"{key}: LRU stamp {entry.stamp} not after predecessor's {prev_stamp}")
+            prev_stamp = entry.stamp
+            total += entry.nbytes
+        assert prev_stamp <= self._clock, f"stamp {prev_stamp} ahead of clock {self._clock}"
+        assert total == self._bytes, f"bytes accounted {self._bytes} != sum of payloads {total}"
+        assert total <= self.max_bytes, f"bytes {total} exceed max_bytes {self.max_bytes}"

@@ -1,0 +1,267 @@
+"""vLLM's ``KVCacheManager``, backed by kvbackend's token-exact ``PrefixCache``.
+
+The scheduler's calls map onto the core like this:
+
+    get_computed_blocks(req)    match(tokens[:limit])           no side effect
+    allocate_slots(new req)     open_sequence(match) + cache()  shares the hit,
+                                                                copies a partial block
+    allocate_slots(running)     extend() + cache()              append-only block table
+    take_kv_cache_block_copies  take_block_copies()             run by the worker
+                                                                before the forward pass
+    free(req)                   cache(computed) + release()     blocks stay matchable
+
+Tokens are published to the tree when they are scheduled, as vLLM does: a
+request admitted in the same step may share those *full* blocks, because every
+layer writes the whole batch's KV before it attends. A *partial* hit is served
+by copying its block before the forward pass, so it must not come from a block
+written in the current step: such hits are cut back to the last full block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.request import Request, RequestStatus
+
+from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer
+from kvbackend.vllm.config import KVBackendConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _TrackedRequest:
+    """What the manager remembers about one live request."""
+
+    namespace: Any
+    tokens: TokenBuffer = field(default_factory=TokenBuffer)
+    sequence: Sequence | None = None
+    match: PrefixMatch | None = None  # from get_computed_blocks, consumed at admission
+    num_published: int = 0  # tokens handed to the tree so far
+    priority: int = 0
+    pin: bool = False
+    cacheable: bool = True  # False for multimodal / embedding prompts: token ids don't name them
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVBackendManager(KVCacheManager):
+    """A drop-in ``KVCacheManager`` for single-group (full attention) models."""
+
+    def __init__(self, *args: Any, backend_config: KVBackendConfig, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.num_kv_cache_groups != 1:
+            raise ValueError(
+                f"kvbackend serves models with one KV-cache group (full attention); this model "
+                f"has {self.num_kv_cache_groups} (hybrid / sliding-window / Mamba layers)")
+        self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
+        self.block_size = kwargs["scheduler_block_size"]
+        num_blocks = self.kv_cache_config.num_blocks
+        self.cache = PrefixCache(num_blocks, self.block_size,
+                                 max_pinned_fraction=backend_config.max_pinned_fraction)
+        self._block_objects = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._requests: dict[str, _TrackedRequest] = {}
+        self._written_this_step: set[int] = set()
+
+    # ------------------------------------------------------------- lookups
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """Token-exact hit, capped at ``num_tokens - 1`` (and the prompt on first admission)."""
+        tracked = self._track(request)
+        if not tracked.cacheable or not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        limit = request.num_tokens - 1
+        if request.num_preemptions <= 0:
+            limit = min(limit, request.num_prompt_tokens)
+        tokens = tracked.tokens.sync(request.all_token_ids)
+        match = self.cache.match(tokens, tracked.namespace, max_tokens=limit)
+        if match.num_partial_tokens and match.partial_block_id in self._written_this_step:
+            match = self.cache.match(tokens, tracked.namespace,
+                                     max_tokens=match.num_full_blocks * self.block_size)
+        tracked.match = match
+        return self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens, 0
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        tracked = self._requests.get(request.request_id)
+        return tracked.sequence.num_locked_tokens if tracked and tracked.sequence else 0
+
+    # ----------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """All or nothing; returns only the blocks appended to the request's table."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no "
+                             "computed tokens to adopt")
+        if num_external_computed_tokens or num_encoder_tokens or delay_cache_blocks:
+            raise NotImplementedError("kvbackend does not serve KV connectors or encoder-decoder "
+                                      "models (refused at start-up)")
+        tracked = self._track(request)
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        total = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        headroom = self.cache.num_allocatable_blocks - reserved_blocks
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            headroom -= self.watermark_blocks
+        seq = tracked.sequence
+        if seq is None:
+            match = self._admission_match(request, tracked, num_new_computed_tokens)
+            needed = total if not full_sequence_must_fit else max(
+                total, min(request.num_tokens, self.max_model_len))
+            if _cdiv(needed, self.block_size) - match.num_full_blocks > headroom:
+                return None
+            seq = self.cache.open_sequence(match, total)
+            if seq is None:
+                return None
+            tracked.sequence, tracked.match = seq, None
+            self.cache.tree.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
+            new_block_ids = seq.block_ids
+        else:
+            if _cdiv(total, self.block_size) - len(seq.block_ids) > headroom:
+                return None
+            new_block_ids = self.cache.extend(seq, max(total, seq.num_tokens))
+            if new_block_ids is None:
+                return None
+        end = computed + num_new_tokens
+        self._written_this_step.update(
+            seq.block_ids[computed // self.block_size: _cdiv(end, self.block_size)])
+        self._publish(request, tracked, min(end, request.num_tokens))
+        return self._as_blocks(new_block_ids)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None and tracked.sequence is not None:
+            self._publish(request, tracked, num_computed_tokens, force=True)
+
+    def free(self, request: Request) -> None:
+        """Publish every computed token (partial tail included), then release."""
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is None or tracked.sequence is None:
+            return
+        self._publish(request, tracked, request.num_computed_tokens, force=True)
+        self.cache.release(tracked.sequence)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        raise NotImplementedError("deferred block frees need a KV connector; kvbackend refuses "
+                                  "connectors at start-up")
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise NotImplementedError("block eviction after a failed KV load needs a KV connector")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block and pin; refused (False) while requests hold blocks."""
+        if self.cache.sequences:
+            return False
+        self.cache.clear()
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # ----------------------------------------------------------- read-outs
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.sequence is None:
+            return self.empty_kv_cache_blocks
+        return self._as_blocks(tracked.sequence.block_ids)
+
+    @property
+    def usage(self) -> float:
+        pool = self.cache.pool
+        return pool.num_held / pool.num_usable_blocks
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """Copies for the worker to run before this step's forward pass; their
+        source blocks stay held until the next step starts."""
+        return [KVCacheBlockCopy(c.src, c.dst) for c in self.cache.take_block_copies()], []
+
+    def new_step_starts(self) -> None:
+        super().new_step_starts()
+        self.cache.complete_block_copies()  # the previous step, and its copies, have run
+        self._written_this_step.clear()
+
+    # -------------------------------------------------------------- helpers
+    def _track(self, request: Request) -> _TrackedRequest:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tracked = _TrackedRequest(namespace=_namespace(request))
+            tracked.priority, tracked.pin = _retention(request)
+            tracked.cacheable = not request.mm_features and request.prompt_embeds is None
+            self._requests[request.request_id] = tracked
+        return tracked
+
+    def _admission_match(self, request: Request, tracked: _TrackedRequest, hit: int) -> PrefixMatch:
+        """The match ``get_computed_blocks`` returned, re-taken if the tree moved since."""
+        match = tracked.match
+        if match is None or match.num_tokens != hit or not self.cache.tree.is_current(match):
+            tokens = tracked.tokens.sync(request.all_token_ids)
+            match = self.cache.match(tokens, tracked.namespace, max_tokens=hit)
+            if match.num_tokens != hit:
+                raise RuntimeError(f"request {request.request_id}: the scheduler adopted {hit} "
+                                   f"cached tokens but only {match.num_tokens} are cached; "
+                                   "this indicates a bug")
+        return match
+
+    def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,
+                 force: bool = False) -> None:
+        """Insert ``tokens[:num_tokens]`` into the tree: during prefill, when a block
+        boundary is crossed, or when forced (request end)."""
+        done = tracked.num_published
+        if num_tokens <= done or not tracked.cacheable:
+            return
+        in_prefill = done < request.num_prompt_tokens
+        if not (force or in_prefill or num_tokens // self.block_size > done // self.block_size):
+            return
+        tokens = tracked.tokens.sync(request.all_token_ids)[:num_tokens]
+        self.cache.cache(tracked.sequence, tokens, priority=tracked.priority)
+        tracked.num_published = num_tokens
+        if tracked.pin and done < request.num_prompt_tokens <= num_tokens:
+            if not self.cache.pin(tokens[: request.num_prompt_tokens], tracked.namespace):
+                logger.warning("kvbackend: request %s asked for kv_pin, but pinning its %d-token "
+                               "prompt would exceed max_pinned_fraction", request.request_id,
+                               request.num_prompt_tokens)
+
+    def _as_blocks(self, block_ids) -> KVCacheBlocks:
+        if not block_ids:
+            return self.empty_kv_cache_blocks
+        objects = self._block_objects
+        return KVCacheBlocks(([objects[b] for b in block_ids],))
+
+
+def _namespace(request: Request) -> Any:
+    """Requests share cache entries only with the same LoRA adapter and cache salt."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    if lora is None and request.cache_salt is None:
+        return None
+    return (lora, request.cache_salt)
+
+
+def _retention(request: Request) -> tuple[int, bool]:
+    """``kv_priority`` (int) and ``kv_pin`` (bool) from ``SamplingParams.extra_args``."""
+    params = request.sampling_params
+    extra = (params.extra_args if params is not None else None) or {}
+    priority, pin = extra.get("kv_priority", 0), extra.get("kv_pin", False)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        logger.warning("kvbackend: request %s: kv_priority must be an int, got %r; using 0",
+                       request.request_id, priority)
+        priority = 0
+    if not isinstance(pin, bool):
+        logger.warning("kvbackend: request %s: kv_pin must be a bool, got %r; not pinning",
+                       request.request_id, pin)
+        pin = False
+    return priority, pin

@@ -1,0 +1,80 @@
+"""The ``vllm.general_plugins`` entry point: ``--kv-backend`` for ``vllm serve``.
+
+vLLM loads general plugins in every process before it parses arguments, but
+hands them no parser, and ``EngineArgs.from_cli_args`` copies only its own
+dataclass fields. So the plugin wraps two ``EngineArgs`` methods: one adds the
+flags, the other turns them into engine configuration (``scheduler_cls`` plus
+``additional_config``) that travels to the engine-core process. Without
+``--kv-backend`` both wrappers change nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvbackend.vllm import engine_kwargs
+from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
+
+BACKEND_NAMES = ("kvbackend",)
+
+
+def register() -> None:
+    """Install the CLI flags into vLLM's ``EngineArgs``; idempotent."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_kvbackend_flags", False):
+        return
+    original_add = EngineArgs.add_cli_args
+    original_from = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original_add(parser, *args, **kwargs)
+        if "--kv-backend" not in parser._option_string_actions:
+            add_flags(parser)
+        return parser
+
+    def from_cli_args(cls, args: argparse.Namespace):
+        engine_args = original_from(cls, args)
+        apply_flags(engine_args, getattr(args, "kv_backend", None),
+                    getattr(args, "kv_backend_config", None))
+        return engine_args
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs._kvbackend_flags = True
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kvbackend", "Token-exact prefix KV cache (kvbackend)")
+    group.add_argument("--kv-backend", choices=BACKEND_NAMES, default=None,
+                       help="Serve the KV cache through this backend.")
+    group.add_argument("--kv-backend-config", type=_parse_config, default=None,
+                       help="JSON object of kvbackend settings, e.g. "
+                            "'{\"max_pinned_fraction\": 0.25}'.")
+
+
+def apply_flags(engine_args: Any, backend: str | None, config: dict | None) -> None:
+    """Turn ``--kv-backend``/``--kv-backend-config`` into ``EngineArgs`` fields."""
+    if backend is None:
+        if config is not None:
+            raise ValueError("--kv-backend-config needs --kv-backend kvbackend")
+        return
+    custom = engine_args.scheduler_cls
+    if custom not in (None, "", engine_kwargs()["scheduler_cls"]):
+        raise ValueError(f"--kv-backend replaces the scheduler; it cannot be combined with "
+                         f"--scheduler-cls {custom!r}")
+    for name, value in engine_kwargs(**(config or {})).items():
+        if name == "additional_config":
+            value = {**(engine_args.additional_config or {}), **value}
+        setattr(engine_args, name, value)
+
+
+def _parse_config(text: str) -> dict:
+    try:
+        return KVBackendConfig.from_json(text).to_dict()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+__all__ = ["ADDITIONAL_CONFIG_KEY", "BACKEND_NAMES", "add_flags", "apply_flags", "register"]
