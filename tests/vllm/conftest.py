@@ -1,0 +1,66 @@
+"""Real vLLM (CPU build) engines on a tiny random Llama built locally.
+
+Engines start in 20-40 s each on this machine, so each is session-scoped and
+shared by every test module that asks for it.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from kvbackend.testing.tiny_model import build_tiny_llama  # noqa: E402
+from kvbackend.vllm import engine_kwargs  # noqa: E402
+
+BLOCK_SIZE = 32  # the smallest block the CPU attention backend accepts
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def make_engine(model: str, mode: str, **overrides):
+    """``mode``: "kvbackend", "vllm-apc" (vLLM's own prefix caching) or "no-cache"."""
+    kwargs = dict(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
+                  block_size=BLOCK_SIZE, kv_cache_memory_bytes=32 << 20, seed=0)
+    if mode == "kvbackend":
+        kwargs.update(engine_kwargs())
+    else:
+        kwargs["enable_prefix_caching"] = mode == "vllm-apc"
+    kwargs.update(overrides)
+    return vllm.LLM(**kwargs)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def kvbackend_llm(tiny_model):
+    # A small token budget forces chunked prefill of every long prompt.
+    llm = make_engine(tiny_model, "kvbackend", max_num_batched_tokens=256)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="session")
+def reference_llm(tiny_model):
+    """vLLM with prefix caching off: the ground truth for greedy outputs."""
+    llm = make_engine(tiny_model, "no-cache")
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="session")
+def apc_llm(tiny_model):
+    """vLLM with its own (block-granular, hash-based) prefix caching."""
+    llm = make_engine(tiny_model, "vllm-apc")
+    yield llm
+    shutdown(llm)

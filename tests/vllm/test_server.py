@@ -1,0 +1,261 @@
+"""The OpenAI-compatible server with ``--kv-backend kvbackend``, run as a subprocess.
+
+One server start for the whole module (~60-80 s on 2 cores). Requests use
+token-id prompts, so hit counts are exact: a 600-token shared prefix must add
+exactly 600 to ``vllm:prefix_cache_hits_total`` and to ``cached_tokens``.
+
+The failure-at-start cases run first, all at once, and stop in argument parsing
+(no model load): ~15-30 s together, mostly interpreter and vLLM import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+BLOCK_SIZE = 32  # as in conftest.py
+MAX_MODEL_LEN = 2048
+STARTUP_TIMEOUT_S = 240
+PARSE_TIMEOUT_S = 120
+PREFIX_LEN = 600  # not a multiple of BLOCK_SIZE: vLLM's own cache would reuse 576
+QUESTION_LEN = 40
+VOCAB = (3, 512)  # the tiny Llama's word ids (0-2 are special)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path, n: int = 60) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# ------------------------------------------------------------ start failures
+BAD_STARTS = {
+    "not-json": (["--kv-backend", "kvbackend", "--kv-backend-config", "{max_pinned_fraction: 1"],
+                 ["argument --kv-backend-config", "is not valid JSON"]),
+    "unknown-key": (["--kv-backend", "kvbackend", "--kv-backend-config", '{"max_pinned": 0.1}'],
+                    ["argument --kv-backend-config", "unknown configuration key(s) ['max_pinned']",
+                     "max_pinned_fraction"]),
+    "bad-value": (["--kv-backend", "kvbackend", "--kv-backend-config",
+                   '{"max_pinned_fraction": 2}'],
+                  ["max_pinned_fraction must be a number in [0, 1], got 2"]),
+    "unknown-backend": (["--kv-backend", "foo"],
+                        ["argument --kv-backend: invalid choice: 'foo'", "kvbackend"]),
+    "config-without-backend": (["--kv-backend-config", "{}"],
+                               ["--kv-backend-config needs --kv-backend kvbackend"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_starts(tiny_model):
+    """Start every bad command line at once; return {case: (returncode, stderr, seconds)}."""
+    started = {}
+    for name, (flags, _) in BAD_STARTS.items():
+        cmd = [sys.executable, "-m", SERVER_MODULE, "--model", tiny_model,
+               "--port", str(_free_port()), *flags]
+        started[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          stdin=subprocess.DEVNULL, env=_env(),
+                                          start_new_session=True), time.monotonic())
+    results = {}
+    try:
+        for name, (proc, t0) in started.items():
+            try:
+                _, err = proc.communicate(timeout=max(1.0, t0 + PARSE_TIMEOUT_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                _, err = proc.communicate()
+                results[name] = (None, err.decode(errors="replace"), PARSE_TIMEOUT_S)
+                continue
+            results[name] = (proc.returncode, err.decode(errors="replace"), time.monotonic() - t0)
+    finally:
+        for proc, _ in started.values():
+            _kill_group(proc)
+    return results
+
+
+@pytest.mark.parametrize("case", list(BAD_STARTS))
+def test_bad_start_exits_with_clear_message(bad_starts, case):
+    returncode, stderr, _ = bad_starts[case]
+    assert returncode is not None, f"still running after {PARSE_TIMEOUT_S} s:\n{stderr[-3000:]}"
+    assert returncode != 0
+    for fragment in BAD_STARTS[case][1]:
+        assert fragment in stderr, f"{fragment!r} not in stderr:\n{stderr[-3000:]}"
+    assert "Application startup complete" not in stderr
+
+
+# ------------------------------------------------------------------ server
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, model: str, log_path) -> None:
+        self.proc, self.model, self.log_path = proc, model, log_path
+        self.base = f"http://127.0.0.1:{port}"
+
+    def complete(self, prompt: list[int], **extra) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            pytest.fail(f"HTTP {e.code}: {e.read().decode(errors='replace')}")
+
+    def prefix_metrics(self) -> tuple[float, float]:
+        """(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``)."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        values = {}
+        for name in ("queries", "hits"):
+            found = re.findall(rf"^vllm:prefix_cache_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            assert found, f"vllm:prefix_cache_{name}_total missing from /metrics"
+            values[name] = sum(float(v) for v in found)
+        return values["queries"], values["hits"]
+
+    def complete_and_count(self, prompt: list[int], **extra) -> tuple[dict, float]:
+        """Send one request; return its response and the hit tokens it added to /metrics.
+
+        Stats reach the frontend with the engine's outputs; wait (bounded) until the
+        query counter has grown by this prompt's length before reading the hits.
+        """
+        queries0, hits0 = self.prefix_metrics()
+        response = self.complete(prompt, **extra)
+        deadline = time.monotonic() + 10
+        while True:
+            queries, hits = self.prefix_metrics()
+            if queries - queries0 >= len(prompt) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert queries - queries0 == len(prompt), (queries0, queries)
+        return response, hits - hits0
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", SERVER_MODULE, "--model", tiny_model,
+           "--kv-backend", "kvbackend", "--kv-backend-config", '{"max_pinned_fraction": 0.25}',
+           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+           "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(32 << 20),
+           "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"no /health within {STARTUP_TIMEOUT_S} s:\n{_tail(log_path)}")
+            time.sleep(1)
+        yield Server(proc, port, tiny_model, log_path)
+    finally:
+        _kill_group(proc)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def test_shared_prefix_hits_through_openai_api(server):
+    rng = random.Random(1234)
+    prefix = _tokens(rng, PREFIX_LEN)
+    prompts = [prefix + _tokens(rng, QUESTION_LEN) for _ in range(4)]
+
+    def cached(response) -> int:
+        details = response["usage"].get("prompt_tokens_details")
+        assert details is not None, "--enable-prompt-tokens-details was given"
+        return details["cached_tokens"]
+
+    first, hits = server.complete_and_count(prompts[0])
+    assert (cached(first), hits) == (0, 0)
+    assert first["usage"]["prompt_tokens"] == PREFIX_LEN + QUESTION_LEN
+    assert len(first["choices"][0]["text"].split()) == 4
+
+    # Token-exact: the whole 600-token prefix, not the 576 of 18 full blocks.
+    second, hits = server.complete_and_count(prompts[1])
+    assert (cached(second), hits) == (PREFIX_LEN, PREFIX_LEN)
+
+    # The same prompt again: everything but the last token (which must be recomputed),
+    # and the same greedy output as the cold run.
+    again, hits = server.complete_and_count(prompts[0])
+    full = PREFIX_LEN + QUESTION_LEN - 1
+    assert (cached(again), hits) == (full, full)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+    # Retention hints travel in vllm_xargs; the request is served and hits as usual.
+    pinned, hits = server.complete_and_count(
+        prompts[2], vllm_xargs={"kv_pin": True, "kv_priority": 3})
+    assert (cached(pinned), hits) == (PREFIX_LEN, PREFIX_LEN)
+
+    # A cache salt is a separate namespace: tenant-b starts cold, then shares with itself.
+    salted, hits = server.complete_and_count(prompts[3], cache_salt="tenant-b")
+    assert (cached(salted), hits) == (0, 0)
+    salted2, hits = server.complete_and_count(prompts[1], cache_salt="tenant-b")
+    assert (cached(salted2), hits) == (PREFIX_LEN, PREFIX_LEN)
+
+    _, total_hits = server.prefix_metrics()
+    assert total_hits >= 3 * PREFIX_LEN + full
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vllm_xargs is typed dict[str, str | int | float | list]: pydantic turns JSON true into 1, "
+    "and kvbackend.vllm.manager._retention accepts only a bool for kv_pin, so the pin is "
+    "dropped with a warning. Remove this marker once _retention accepts 0/1."))
+def test_kv_pin_over_http_is_honoured(server):
+    prompt = _tokens(random.Random(99), 100)
+    response = server.complete(prompt, vllm_xargs={"kv_pin": True})
+    assert response["usage"]["prompt_tokens"] == 100
+    time.sleep(0.5)  # the engine core's stderr reaches the shared log asynchronously
+    log = server.log()
+    assert "kv_pin must be a bool" not in log
+    assert "would exceed max_pinned_fraction" not in log
