@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvbackend.store.block_key import chain_key, compute_block_keys
-from store_helpers import make_identity
+from tests.store_helpers import make_identity
 
 ID = make_identity().digest()
 BS = 4

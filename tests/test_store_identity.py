@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvbackend.store.identity import CacheIdentity, model_fingerprint
-from store_helpers import make_identity, write_safetensors
+from tests.store_helpers import make_identity, write_safetensors
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1}
 
@@ -103,7 +103,8 @@ def test_identity_roundtrip_and_extra_order():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(block_size=0), "block_size"), (dict(tp_rank=2, tp_size=2), r"tp_rank must lie in \[0, 2\)"),
+    (dict(block_size=0), "block_size"),
+    (dict(tp_rank=2, tp_size=2), r"tp_rank must lie in \[0, 2\)"),
     (dict(kv_dtype=""), "kv_dtype"), (dict(extra=(("a", "1"), ("a", "2"))), "duplicate"),
 ])
 def test_identity_validation(bad, match):

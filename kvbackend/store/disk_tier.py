@@ -72,8 +72,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbackend.store.block_file import (
-    HEADER_LEN, MAX_NUM_TOKENS, SUFFIX, TMP_SUFFIX, CorruptBlock, as_byte_view, block_path, encode_header,
-    read_block, write_block_atomic,
+    HEADER_LEN, MAX_NUM_TOKENS, SUFFIX, TMP_SUFFIX, BlockRecord, CorruptBlock, as_byte_view,
+    block_path, encode_header, read_block, write_block_atomic,
 )
 from kvbackend.store.identity import CacheIdentity
 from kvbackend.store.tier import Payload, check_key
@@ -134,7 +134,8 @@ class DiskTier:
     def _open_for_writing(self) -> str:
         try:
             os.makedirs(self.base, exist_ok=True)
-            probe = os.path.join(self.base, f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+            probe = os.path.join(
+                self.base, f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             os.unlink(probe)
             self._write_identity_file()
@@ -155,7 +156,8 @@ class DiskTier:
         write_block_atomic(path, b"", view, durable=self.durable)
 
     def rescan(self) -> None:
-        """Rebuild the index from the files on disk, LRU order by mtime. O(#files)."""
+        """Rebuild the index from the files on disk, LRU order by mtime, and evict
+        down to ``max_bytes`` (if writable). O(#files)."""
         found: list[tuple[int, str, int]] = []
         now = time.time()
         try:
@@ -182,6 +184,7 @@ class DiskTier:
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._bytes = sum(size for _, _, size in found)
             self._last_scan = time.monotonic()
+        self.evict_to(self.max_bytes)  # others' writes may have pushed us over
 
     # ---------------------------------------------------------------- helpers
     def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
@@ -212,6 +215,8 @@ class DiskTier:
         self._forget(key)
         self._warn_once("corrupt", "kvbackend disk tier: dropping bad block file %s: %s",
                         path, reason)
+        if self.mode != "rw":
+            return
         try:
             now = os.stat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
@@ -272,6 +277,11 @@ class DiskTier:
     def get(self, key: str) -> bytes | None:
         """The verified payload, or None (missing, corrupt, unreadable). Never raises
         for environment errors; a bad file is deleted."""
+        record = self.get_record(key)
+        return None if record is None else record.payload
+
+    def get_record(self, key: str) -> BlockRecord | None:
+        """Like ``get``, with the block's ``num_tokens`` (for partial blocks)."""
         check_key(key)
         if self.mode == "disabled":
             self._counters["misses"] += 1
@@ -291,7 +301,8 @@ class DiskTier:
             self._counters["misses"] += 1
             return None
         except OSError as e:
-            self._warn_once(f"read-{e.errno}", "kvbackend disk tier: reading %s failed: %s", path, e)
+            self._warn_once(f"read-{e.errno}", "kvbackend disk tier: reading %s failed: %s",
+                            path, e)
             self._counters["misses"] += 1
             return None
         self._learn(key, st.st_size)
@@ -301,7 +312,7 @@ class DiskTier:
             except OSError:
                 pass
         self._counters["hits"] += 1
-        return record.payload
+        return record
 
     def contains(self, key: str) -> bool:
         """Whether a block file exists (one ``stat``; ``get`` does the verification)."""
