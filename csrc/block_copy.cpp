@@ -38,7 +38,8 @@ BlockLayout check_layers(at::TensorList kv_layers, int64_t block_dim) {
 
 // Ids must be a CPU int64 vector (reading them on the host is then free) in [0, num_blocks).
 void check_ids(const at::Tensor& ids, const char* name, int64_t num_blocks) {
-  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, name, " must be int64, got ", ids.scalar_type());
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, name, " must be int64, got ",
+                    ids.scalar_type());
   TORCH_CHECK_VALUE(ids.device().is_cpu(), name, " must be on the CPU, got ", ids.device());
   TORCH_CHECK_VALUE(ids.dim() == 1 && ids.is_contiguous(), name,
                     " must be a contiguous 1-D tensor, got shape ", ids.sizes());
@@ -61,18 +62,19 @@ void mark_distinct(const at::Tensor& ids, const char* what, std::vector<char>& s
 }  // namespace
 
 BlockLayout check_transfer(at::TensorList kv_layers, const at::Tensor& block_ids,
-                           const at::Tensor& buffer, int64_t block_dim, bool distinct_ids) {
+                           const at::Tensor& buffer, const char* buffer_name, int64_t block_dim,
+                           bool distinct_ids) {
   const BlockLayout g = check_layers(kv_layers, block_dim);
   check_ids(block_ids, "block_ids", g.num_blocks);
   if (distinct_ids) {
     std::vector<char> seen(g.num_blocks, 0);
     mark_distinct(block_ids, "block_ids repeats", seen);
   }
-  TORCH_CHECK_VALUE(buffer.device() == kv_layers[0].device(), "buffer is on ", buffer.device(),
-                    ", the layers on ", kv_layers[0].device());
-  TORCH_CHECK_VALUE(buffer.is_contiguous(), "buffer is not contiguous");
+  TORCH_CHECK_VALUE(buffer.device() == kv_layers[0].device(), buffer_name, " is on ",
+                    buffer.device(), ", the layers on ", kv_layers[0].device());
+  TORCH_CHECK_VALUE(buffer.is_contiguous(), buffer_name, " is not contiguous");
   const int64_t expected = block_ids.numel() * g.block_nbytes();
-  TORCH_CHECK_VALUE(static_cast<int64_t>(buffer.nbytes()) == expected, "buffer has ",
+  TORCH_CHECK_VALUE(static_cast<int64_t>(buffer.nbytes()) == expected, buffer_name, " has ",
                     buffer.nbytes(), " bytes, expected ", block_ids.numel(), " blocks x ",
                     g.block_nbytes(), " bytes = ", expected);
   return g;
@@ -126,7 +128,7 @@ void check_cpu(at::TensorList kv_layers) {
 
 void gather_blocks_cpu(at::TensorList kv_layers, const at::Tensor& block_ids,
                        const at::Tensor& out, int64_t block_dim) {
-  const BlockLayout g = check_transfer(kv_layers, block_ids, out, block_dim, false);
+  const BlockLayout g = check_transfer(kv_layers, block_ids, out, "out", block_dim, false);
   check_cpu(kv_layers);
   const std::vector<uint8_t*> layers = layer_bytes(kv_layers);
   const int64_t* ids = block_ids.data_ptr<int64_t>();  // [num_ids]
@@ -138,11 +140,12 @@ void gather_blocks_cpu(at::TensorList kv_layers, const at::Tensor& block_ids,
 
 void scatter_blocks_cpu(const at::Tensor& buffer, at::TensorList kv_layers,
                         const at::Tensor& block_ids, int64_t block_dim) {
-  const BlockLayout g = check_transfer(kv_layers, block_ids, buffer, block_dim, true);
+  const BlockLayout g = check_transfer(kv_layers, block_ids, buffer, "buffer", block_dim, true);
   check_cpu(kv_layers);
   const std::vector<uint8_t*> layers = layer_bytes(kv_layers);
   const int64_t* ids = block_ids.data_ptr<int64_t>();  // [num_ids]
-  const uint8_t* buf = static_cast<const uint8_t*>(buffer.data_ptr());  // [num_ids, num_layers, outer, inner]
+  // [num_ids, num_layers, outer, inner]
+  const uint8_t* buf = static_cast<const uint8_t*>(buffer.data_ptr());
   for_each_chunk(block_ids.numel(), g, [&](int64_t i, int64_t l, int64_t o) {
     std::memcpy(layers[l] + g.layer_offset(ids[i], o), buf + g.buffer_offset(i, l, o), g.inner);
   });
@@ -167,7 +170,9 @@ TORCH_LIBRARY(kvbackend, m) {
   // out[i, l] = bytes of block block_ids[i] in layer l.
   m.def("gather_blocks(Tensor[] kv_layers, Tensor block_ids, Tensor(a!) out, int block_dim) -> ()");
   // Block block_ids[i] of layer l = buffer[i, l]; block_ids must be distinct.
-  m.def("scatter_blocks(Tensor buffer, Tensor(a!)[] kv_layers, Tensor block_ids, int block_dim) -> ()");
+  m.def(
+      "scatter_blocks(Tensor buffer, Tensor(a!)[] kv_layers, Tensor block_ids, int block_dim)"
+      " -> ()");
   // Block dst[k] = block src[k] in every layer; dst distinct and disjoint from src.
   m.def("copy_blocks(Tensor(a!)[] kv_layers, Tensor src, Tensor dst, int block_dim) -> ()");
 }

@@ -9,6 +9,7 @@
 // `inner` and every base address, so any dtype (fp32, bf16, fp16, fp8 ...) takes one path.
 #include "block_copy.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -91,8 +92,8 @@ void with_word_type(int64_t word, const F& f) {
 }
 
 // Pinned CPU int64 [num_layers + sum(ids.numel())]: layer addresses then each id list,
-// copied to `device` on the current stream. Returns the device copy and, through
-// `address_bits`, the OR of the layer addresses (for word_bytes).
+// copied to the layers' device on the current stream. Returns the device copy; ORs the
+// layer addresses into `address_bits` (for word_bytes).
 at::Tensor device_table(at::TensorList kv_layers, std::initializer_list<at::Tensor> id_lists,
                         uint64_t& address_bits) {
   int64_t size = static_cast<int64_t>(kv_layers.size());
@@ -118,8 +119,9 @@ void check_grid(int64_t num_items, const BlockLayout& g) {
 template <Direction kDir>
 void transfer_cuda(at::TensorList kv_layers, const at::Tensor& block_ids,
                    const at::Tensor& buffer, int64_t block_dim) {
-  const BlockLayout g = check_transfer(kv_layers, block_ids, buffer, block_dim,
-                                       kDir == Direction::kBufferToLayers);
+  constexpr bool kScatter = kDir == Direction::kBufferToLayers;
+  const BlockLayout g = check_transfer(kv_layers, block_ids, buffer, kScatter ? "buffer" : "out",
+                                       block_dim, /*distinct_ids=*/kScatter);
   TORCH_CHECK_VALUE(kv_layers[0].is_cuda(), "CUDA op got layers on ", kv_layers[0].device());
   check_grid(block_ids.numel(), g);
   if (block_ids.numel() == 0 || g.outer * g.inner == 0) return;

@@ -36,11 +36,12 @@ struct BlockLayout {
   }
 };
 
-// Checks the layers, `block_ids` and `buffer` of gather_blocks / scatter_blocks;
-// raises ValueError on misuse. `distinct_ids` (scatter) also forbids repeated ids,
-// which would make the result depend on the copy order.
+// Checks the layers, `block_ids` and `buffer` (named `buffer_name` in messages) of
+// gather_blocks / scatter_blocks; raises ValueError on misuse. `distinct_ids` (scatter)
+// also forbids repeated ids, which would make the result depend on the copy order.
 BlockLayout check_transfer(at::TensorList kv_layers, const at::Tensor& block_ids,
-                           const at::Tensor& buffer, int64_t block_dim, bool distinct_ids);
+                           const at::Tensor& buffer, const char* buffer_name, int64_t block_dim,
+                           bool distinct_ids);
 
 // Checks the layers and the (src[k], dst[k]) pairs of copy_blocks: same lengths,
 // dst ids distinct and none of them a src id, so the pairs can run in any order.

@@ -61,10 +61,16 @@ def _load() -> Extension | None:
         logger.warning("kvbackend: cannot import torch.utils.cpp_extension (%s); "
                        "using the pure-torch block copies", exc)
         return None
+    if not (CSRC_DIR / "block_copy.cpp").is_file():
+        logger.warning("kvbackend: %s/block_copy.cpp not found (not a source checkout?); "
+                       "using the pure-torch block copies", CSRC_DIR)
+        return None
     errors = []
     for with_cuda in [True, False] if cuda_possible else [False]:
         variant = f"cu{torch.version.cuda}" if with_cuda else "cpu"
-        sources = [CSRC_DIR / "block_copy.cpp"] + ([CSRC_DIR / "block_copy.cu"] if with_cuda else [])
+        sources = [CSRC_DIR / "block_copy.cpp"]
+        if with_cuda:
+            sources.append(CSRC_DIR / "block_copy.cu")
         try:
             cpp_extension.load(
                 name=f"kvbackend_block_copy_{variant.replace('.', '')}",
@@ -78,8 +84,7 @@ def _load() -> Extension | None:
             return Extension(torch.ops.kvbackend, with_cuda)
         except Exception as exc:  # compiler missing, build error, ...
             logger.debug("kvbackend: %s build of %s failed", variant, CSRC_DIR, exc_info=True)
-            last_line = (str(exc).strip().splitlines() or [""])[-1]
-            errors.append(f"{variant}: {type(exc).__name__}: {last_line}")
+            errors.append(f"{variant}: {type(exc).__name__}: {str(exc).strip()[:160]}")
     logger.warning("kvbackend: C++ block-copy extension unavailable, using the pure-torch "
-                   "fallback (%s)", "; ".join(errors))
+                   "fallback (%s ...; DEBUG logging shows the build output)", "; ".join(errors))
     return None

@@ -62,7 +62,8 @@ def block_layout(kv_layers: Sequence[torch.Tensor], block_dim: int) -> BlockLayo
         if layer.dtype != first.dtype:
             raise ValueError(f"layer {l} has dtype {layer.dtype}, layer 0 has {first.dtype}")
         if layer.shape != first.shape:
-            raise ValueError(f"layer {l} has shape {list(layer.shape)}, layer 0 has {list(first.shape)}")
+            raise ValueError(f"layer {l} has shape {list(layer.shape)}, "
+                             f"layer 0 has {list(first.shape)}")
         if not layer.is_contiguous():
             raise ValueError(f"layer {l} is not contiguous")
     if not isinstance(block_dim, int) or not 0 <= block_dim < first.dim():
@@ -97,10 +98,10 @@ def gather_blocks(kv_layers: Sequence[torch.Tensor], block_ids: torch.Tensor,
     if ops is not None:
         ops.gather_blocks(list(kv_layers), ids, out, block_dim)
         return out
-    buffer = _buffer_bytes(out, layout, len(ids))
+    views, rows = _word_views(layout, kv_layers, out, len(ids))
     ids = ids.to(device)
-    for l, layer in enumerate(kv_layers):
-        buffer[:, l].copy_(_layer_bytes(layer, layout).index_select(1, ids).transpose(0, 1))
+    for l, view in enumerate(views):
+        rows[:, l].copy_(view.index_select(1, ids).transpose(0, 1))
     return out
 
 
@@ -120,10 +121,10 @@ def scatter_blocks(buffer: torch.Tensor, kv_layers: Sequence[torch.Tensor],
     if ops is not None:
         ops.scatter_blocks(buffer, list(kv_layers), ids, block_dim)
         return
-    rows = _buffer_bytes(buffer, layout, len(ids))
+    views, rows = _word_views(layout, kv_layers, buffer, len(ids))
     ids = ids.to(device)
-    for l, layer in enumerate(kv_layers):
-        _layer_bytes(layer, layout).index_copy_(1, ids, rows[:, l].transpose(0, 1))
+    for l, view in enumerate(views):
+        view.index_copy_(1, ids, rows[:, l].transpose(0, 1))
 
 
 def copy_blocks(kv_layers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor,
@@ -148,28 +149,38 @@ def copy_blocks(kv_layers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch
         ops.copy_blocks(list(kv_layers), src, dst, block_dim)
         return
     src, dst = src.to(device), dst.to(device)
-    for layer in kv_layers:
-        view = _layer_bytes(layer, layout)
+    for view in _word_views(layout, kv_layers)[0]:
         view.index_copy_(1, dst, view.index_select(1, src))
 
 
 def _extension_ops(device: torch.device) -> Any:
     """The extension's ops if they serve ``device``, else None (use the fallback)."""
     ext = _extension.get()
-    if ext is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not ext.has_cuda):
+    if ext is None or device.type not in ("cpu", "cuda"):
         return None
-    return ext.ops
+    return ext.ops if device.type == "cpu" or ext.has_cuda else None
 
 
-def _layer_bytes(layer: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """A view of a checked layer as uint8 ``[outer, num_blocks, inner]``."""
-    return layer.reshape(-1).view(torch.uint8).view(layout.outer, layout.num_blocks, layout.inner)
+_WORDS = [(8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)]
 
 
-def _buffer_bytes(buffer: torch.Tensor, layout: BlockLayout, num_ids: int) -> torch.Tensor:
-    """A view of a checked buffer as uint8 ``[num_ids, num_layers, outer, inner]``."""
-    flat = buffer.reshape(-1).view(torch.uint8)
-    return flat.view(num_ids, layout.num_layers, layout.outer, layout.inner)
+def _word_views(layout: BlockLayout, kv_layers: Sequence[torch.Tensor],
+                buffer: torch.Tensor | None = None,
+                num_ids: int = 0) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Views of checked layers as ``[outer, num_blocks, inner / word]`` and of the buffer as
+    ``[num_ids, num_layers, outer, inner / word]``, in the widest integer word that divides
+    ``inner`` and every byte offset (as the CUDA kernels do; index_copy_ moves elements).
+    """
+    tensors = [*kv_layers, *([] if buffer is None else [buffer])]
+    word, dtype = next((size, dtype) for size, dtype in _WORDS if layout.inner % size == 0 and
+                       all(t.storage_offset() * t.element_size() % size == 0 for t in tensors))
+
+    def words(t: torch.Tensor, *shape: int) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8).view(dtype).view(*shape, layout.inner // word)
+
+    views = [words(layer, layout.outer, layout.num_blocks) for layer in kv_layers]
+    rows = None if buffer is None else words(buffer, num_ids, layout.num_layers, layout.outer)
+    return views, rows
 
 
 def _check_ids(ids: torch.Tensor, name: str, num_blocks: int, *, distinct: bool) -> torch.Tensor:
