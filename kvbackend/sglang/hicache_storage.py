@@ -1,0 +1,200 @@
+"""HiCache L3 storage (``--hicache-storage-backend dynamic``) on kvbackend's ``DiskTier``.
+
+SGLang names a page by a 64-hex sha256 chain over the token pages; a request's
+``cache_salt``/``extra_key`` enters only through the chain's seed, and the model,
+dtype and parallel shard not at all (anchors §5e). So every file key here is
+
+    sha256("kvbackend-sglang-page-v1" | identity digest | len(namespace) namespace | sglang key)
+
+and the file lives under ``<disk_cache_dir>/v1/<identity digest>/``, whose header
+repeats the identity digest and a sha256 checksum of header and payload. The
+identity (``CacheIdentity``) holds the weights fingerprint (of
+``extra_config["model_path"]`` when given, else of the model name), the kv
+dtype and page size of the host pool, the host layout, and the TP/PP/CP/DP
+shard. ``extra_config["namespace"]`` adds a deployment-wide salt on top of
+SGLang's per-request one. Writes are atomic, corrupt files read as misses and
+are deleted, and the directory is LRU-bounded by ``max_bytes`` (all DiskTier).
+
+extra_config keys (all optional): ``disk_cache_dir`` (default
+``$KVBACKEND_SGLANG_DISK_DIR`` or /tmp/kvbackend-hicache), ``max_bytes`` (default
+64 GiB), ``model_path``, ``namespace``, ``durable`` (fsync, default true),
+``interface_v1`` (SGLang then calls ``batch_get_v1``/``batch_set_v1``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvbackend.store import CacheIdentity, DiskTier, model_fingerprint
+
+logger = logging.getLogger("kvbackend.sglang")
+
+DEFAULT_DIR = "/tmp/kvbackend-hicache"
+DEFAULT_MAX_BYTES = 64 << 30
+_DOMAIN = b"kvbackend-sglang-page-v1\0"
+
+
+def page_identity(config: HiCacheStorageConfig, *, kv_dtype: str, page_size: int,
+                  kv_layout: str) -> CacheIdentity:
+    """What a stored page depends on besides its tokens, from SGLang's storage config."""
+    extra = dict(config.extra_config or {})
+    model_path = extra.get("model_path")
+    if model_path:
+        fingerprint = model_fingerprint(model_path)
+    elif config.model_name:
+        fingerprint = "name:" + hashlib.sha256(config.model_name.encode()).hexdigest()
+        logger.warning("kvbackend HiCache storage: no extra_config model_path, so pages are "
+                       "keyed by the model name %r, not by its weights", config.model_name)
+    else:
+        raise ValueError("kvbackend HiCache storage needs model_name or extra_config model_path")
+    # MLA pages are the same on every TP rank (SGLang writes them from one rank only).
+    tp_rank, tp_size = (0, 1) if config.is_mla_model else (config.tp_rank, config.tp_size)
+    shard = dict(pp=f"{config.pp_rank}/{config.pp_size}",
+                 attn_cp=f"{config.attn_cp_rank}/{config.attn_cp_size}",
+                 dcp=f"{config.dcp_rank}/{config.dcp_size}", dp=str(config.dp_rank),
+                 mla=str(int(config.is_mla_model)), split_heads=str(int(config.should_split_heads)),
+                 tp_lcm=str(config.tp_lcm_size), model_name=str(config.model_name),
+                 namespace=str(extra.get("namespace", "")))
+    return CacheIdentity(model_fingerprint=fingerprint, kv_dtype=kv_dtype, block_size=page_size,
+                         kv_layout=kv_layout, tp_rank=tp_rank, tp_size=tp_size,
+                         extra=tuple(shard.items()))
+
+
+def file_key(identity_digest: str, namespace: str, sglang_key: str) -> str:
+    """Our block key for one SGLang page key: identity and namespace hashed in. O(1)."""
+    ns = namespace.encode()
+    h = hashlib.sha256(_DOMAIN)
+    h.update(identity_digest.encode())
+    h.update(struct.pack("<I", len(ns)) + ns)
+    h.update(sglang_key.encode())
+    return h.hexdigest()
+
+
+def _bytes_of(tensor: torch.Tensor):
+    """A CPU tensor's bytes as a numpy uint8 array (no copy when contiguous on CPU)."""
+    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+
+
+class KVBackendHiCacheStorage(HiCacheStorage):
+    """One checksummed file per KV page, LRU-bounded, keyed by page hash + model identity.
+
+    Built by SGLang as ``KVBackendHiCacheStorage(storage_config, kwargs)``; the host
+    pool arrives later through ``register_mem_pool_host`` and fixes the kv dtype,
+    page size and layout, so the disk tier opens then.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self.directory = (extra.get("disk_cache_dir") or extra.get("file_storage_path")
+                          or os.environ.get("KVBACKEND_SGLANG_DISK_DIR") or DEFAULT_DIR)
+        self.max_bytes = int(extra.get("max_bytes", DEFAULT_MAX_BYTES))
+        self.namespace = str(extra.get("namespace", ""))
+        self.durable = bool(extra.get("durable", True))
+        self.mem_pool_host = None
+        self.tier: Optional[DiskTier] = None
+        self.page_size: Optional[int] = None
+
+    # ----------------------------------------------------------------- set-up
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        layout = getattr(mem_pool_host, "layout", None) or (
+            "page_first" if self.config.is_page_first_layout else "layer_first")
+        self.open(kv_dtype=str(mem_pool_host.dtype).removeprefix("torch."),
+                  page_size=int(mem_pool_host.page_size), kv_layout=f"sglang-host-{layout}")
+
+    def open(self, *, kv_dtype: str, page_size: int, kv_layout: str) -> None:
+        """Open the disk tier for pages of this dtype, size and layout (done by
+        ``register_mem_pool_host``; call it directly to use the backend without a pool)."""
+        identity = page_identity(self.config, kv_dtype=kv_dtype, page_size=page_size,
+                                 kv_layout=kv_layout)
+        self.page_size = page_size
+        self.tier = DiskTier(self.directory, self.max_bytes, identity,
+                             read_only=not self.config.is_storage_writer, durable=self.durable)
+
+    def _key(self, key: str) -> str:
+        if self.tier is None:
+            raise RuntimeError("kvbackend HiCache storage used before register_mem_pool_host")
+        return file_key(self.tier.identity_digest, self.namespace, key)
+
+    # -------------------------------------------------------------- key-value
+    def exists(self, key: str) -> bool:
+        return self.tier.contains(self._key(key))
+
+    def batch_exists(self, keys: List[str],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Number of leading keys present (one ``stat`` each, stops at the first miss)."""
+        return self.tier.contains_prefix([self._key(k) for k in keys])
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        """The verified page, copied into ``target_location`` (a flat tensor) if given;
+        None on a miss, a corrupt file or a size mismatch."""
+        payload = self.tier.get(self._key(key))
+        if payload is None:
+            return None
+        if target_location is None:
+            return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        target = target_location.view(torch.uint8).view(-1)
+        if target.numel() != len(payload):
+            logger.warning("kvbackend HiCache storage: page %s holds %d bytes, the target %d",
+                           key, len(payload), target.numel())
+            return None
+        target.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return target_location
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        targets = target_locations or [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        page = value if value is not None else target_location
+        if page is None:
+            raise ValueError("set needs a value")
+        return self.tier.put(self._key(key), _bytes_of(page), self.page_size)
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+                  ) -> bool:
+        pages = values if values is not None else target_locations
+        return all([self.set(k, v) for k, v in zip(keys, pages)])
+
+    # ---------------------------------------------- v1: straight from host pages
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Load page i into the host pool at ``host_indices[i * page_size]``."""
+        pool, ok = self.mem_pool_host, []
+        for i, key in enumerate(keys):
+            page = self.get(key, pool.get_dummy_flat_data_page())
+            if page is not None:
+                pool.set_from_flat_data_page(int(host_indices[i * self.page_size]), page)
+            ok.append(page is not None)
+        return ok
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        pool = self.mem_pool_host
+        return [self.set(key, pool.get_data_page(int(host_indices[i * self.page_size])))
+                for i, key in enumerate(keys)]
+
+    # ------------------------------------------------------------------- misc
+    def clear(self) -> None:
+        """Delete every page of this identity (other models' pages stay)."""
+        if self.tier is not None:
+            self.tier.evict_to(0)
+
+    def get_stats(self):
+        return None if self.tier is None else self.tier.stats()

@@ -1,0 +1,120 @@
+"""Scenario tests: the same scheduler call sequence on SGLang's own RadixCache (the
+behavioural reference) and on KVBackendRadixCache."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+
+from kvbackend.sglang.plugin import BACKEND_NAME, register  # noqa: E402
+from kvbackend.sglang.radix_cache import KVBackendRadixCache  # noqa: E402
+from tests.sglang.sgl_driver import Driver  # noqa: E402
+
+CACHES = [pytest.param(RadixCache, id="sglang"), pytest.param(KVBackendRadixCache, id="kvbackend")]
+
+
+def _check(d: Driver) -> None:
+    d.check_accounting()
+    if isinstance(d.cache, KVBackendRadixCache):
+        d.cache.check_invariants()
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_shared_prefix_is_reused_and_duplicates_freed(cache_cls):
+    d = Driver(cache_cls)
+    a = d.admit(list(range(10)))
+    d.decode(a, [50, 51])
+    d.checkpoint(a)
+    _check(d)
+    b = d.admit(list(range(8)) + [70, 71])
+    assert b.prefix_len == 8
+    d.finish(a)
+    d.finish(b)
+    _check(d)
+    assert d.cache.evictable_size() == 12 + 2 and d.cache.protected_size() == 0
+    c = d.admit(list(range(10)) + [50, 51, 52])
+    assert c.prefix_len == 12
+    _check(d)
+    d.abort(c)
+    _check(d)
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_salts_and_extra_keys_never_share(cache_cls):
+    d = Driver(cache_cls)
+    d.finish(d.admit(list(range(12)), salt="tenant-a"))
+    assert d.admit(list(range(12)), salt="tenant-b").prefix_len == 0
+    assert d.admit(list(range(12))).prefix_len == 0
+    assert d.admit(list(range(13)), salt="tenant-a").prefix_len == 12
+    _check(d)
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_eviction_frees_unlocked_lru_leaves_only(cache_cls):
+    d = Driver(cache_cls, num_slots=40)
+    d.finish(d.admit([1] * 4 + [2] * 8))          # older
+    held = d.admit([1] * 4 + [3] * 8)             # locked while running
+    d.finish(d.admit([1] * 4 + [4] * 8))          # newer
+    _check(d)
+    evicted = d.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted
+    assert evicted >= 8
+    _check(d)
+    assert d.admit([1] * 4 + [2] * 9).prefix_len == 4   # the LRU leaf went
+    assert d.admit([1] * 4 + [4] * 9).prefix_len == 12  # the newer one stayed
+    assert held.prefix_len == 4
+    _check(d)
+
+
+def test_priority_policy_evicts_low_priority_first():
+    d = Driver(KVBackendRadixCache, eviction_policy="priority")
+    d.finish(d.admit([5] * 8, priority=10))
+    d.finish(d.admit([6] * 8, priority=0))
+    d.cache.evict(EvictParams(num_tokens=8))
+    assert d.admit([5] * 9).prefix_len == 8
+    assert d.admit([6] * 9).prefix_len == 0
+
+
+def test_pin_survives_eviction():
+    d = Driver(KVBackendRadixCache)
+    d.finish(d.admit([7] * 10))
+    assert d.cache.pin_prefix([7] * 10)
+    assert d.cache.protected_size() == 10
+    assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0
+    d.cache.unpin_prefix([7] * 10)
+    assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 10
+    _check(d)
+
+
+def test_plugin_registers_factory():
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    register()
+    register()  # idempotent
+    assert get_radix_cache_factory(BACKEND_NAME) is not None
+
+
+def test_sglang_load_plugins_finds_the_entry_point():
+    """A fresh process: SGLang's own plugin loader registers kvbackend from the installed
+    ``sglang.srt.plugins`` entry point, with no kvbackend import by the user."""
+    script = ("from sglang.srt.plugins import load_plugins\n"
+              "from sglang.srt.mem_cache.registry import registered_radix_cache_backends\n"
+              f"assert {BACKEND_NAME!r} not in registered_radix_cache_backends()\n"
+              "load_plugins()\n"
+              f"assert {BACKEND_NAME!r} in registered_radix_cache_backends()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_unsupported_policy_is_refused():
+    d = Driver(KVBackendRadixCache)
+    with pytest.raises(ValueError, match="eviction-policy"):
+        KVBackendRadixCache(CacheInitParams(disable=False, req_to_token_pool=d.rows,
+                                            token_to_kv_pool_allocator=d.allocator, page_size=1,
+                                            eviction_policy="lfu"))
