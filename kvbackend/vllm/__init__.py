@@ -17,6 +17,8 @@ from typing import Any
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
 
 SCHEDULER_CLS = "kvbackend.vllm.scheduler.KVBackendScheduler"
+TIER_CONNECTOR = "KVBackendTierConnector"
+TIER_CONNECTOR_MODULE = "kvbackend.vllm.tier_connector"
 
 
 def engine_kwargs(**config: Any) -> dict[str, Any]:
@@ -24,15 +26,37 @@ def engine_kwargs(**config: Any) -> dict[str, Any]:
 
     Takes the keys of ``--kv-backend-config``; unknown keys raise ValueError.
     vLLM's own hash-based prefix caching is switched off (kvbackend replaces it)
-    and so is async scheduling, which kvbackend does not serve.
+    and so is async scheduling, which kvbackend does not serve. With a host or
+    disk tier configured, kvbackend's tier connector is selected as vLLM's KV
+    connector (``kv_transfer_config``); failed tier loads are recomputed.
     """
     backend_config = KVBackendConfig.from_dict(config)
-    return {
+    kwargs: dict[str, Any] = {
         "scheduler_cls": SCHEDULER_CLS,
         "enable_prefix_caching": False,
         "async_scheduling": False,
         "additional_config": {ADDITIONAL_CONFIG_KEY: backend_config.to_dict()},
     }
+    if backend_config.tiers_enabled:
+        kwargs["kv_transfer_config"] = tier_transfer_config(backend_config)
+    return kwargs
 
 
-__all__ = ["KVBackendConfig", "SCHEDULER_CLS", "engine_kwargs"]
+def tier_transfer_config(backend_config: KVBackendConfig) -> dict[str, Any]:
+    """The ``kv_transfer_config`` (as a dict of ``KVTransferConfig`` fields) that
+    selects kvbackend's host/disk tier connector."""
+    return {
+        "kv_connector": TIER_CONNECTOR,
+        "kv_connector_module_path": TIER_CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "host_cache_gb": backend_config.host_cache_gb,
+            "disk_cache_dir": backend_config.disk_cache_dir,
+            "disk_cache_gb": backend_config.disk_cache_gb,
+        },
+    }
+
+
+__all__ = ["KVBackendConfig", "SCHEDULER_CLS", "TIER_CONNECTOR", "TIER_CONNECTOR_MODULE",
+           "engine_kwargs", "tier_transfer_config"]

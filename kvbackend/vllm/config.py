@@ -18,14 +18,37 @@ ADDITIONAL_CONFIG_KEY = "kvbackend"
 class KVBackendConfig:
     """``max_pinned_fraction``: at most this share of the KV blocks may be pinned
     by ``kv_pin`` requests (the rest stays available, so pins cannot starve
-    the engine)."""
+    the engine).
+
+    Tiers below the device KV cache (served by ``kvbackend.vllm.tier_connector``):
+    ``host_cache_gb``: GiB of host memory per worker for evicted KV blocks (0: off);
+    ``disk_cache_dir``: a directory for persistent, checksummed KV blocks, shared
+    across restarts and processes (None: off); ``disk_cache_gb``: its size bound
+    in GiB (per model identity).
+    """
 
     max_pinned_fraction: float = 0.5
+    host_cache_gb: float = 0.0
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 16.0
 
     def __post_init__(self) -> None:
         value = self.max_pinned_fraction
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        if not _is_number(value) or not 0 <= value <= 1:
             raise ValueError(f"kvbackend: max_pinned_fraction must be a number in [0, 1], got {value!r}")
+        for name in ("host_cache_gb", "disk_cache_gb"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < float("inf"):
+                raise ValueError(f"kvbackend: {name} must be a finite number >= 0, got {value!r}")
+        value = self.disk_cache_dir
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"kvbackend: disk_cache_dir must be a non-empty string (a directory), "
+                             f"got {value!r}")
+
+    @property
+    def tiers_enabled(self) -> bool:
+        """Whether a host or disk tier is configured (the tier connector is then used)."""
+        return self.host_cache_gb > 0 or self.disk_cache_dir is not None
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVBackendConfig:
@@ -51,3 +74,7 @@ class KVBackendConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == value

@@ -15,6 +15,18 @@ request admitted in the same step may share those *full* blocks, because every
 layer writes the whole batch's KV before it attends. A *partial* hit is served
 by copying its block before the forward pass, so it must not come from a block
 written in the current step: such hits are cut back to the last full block.
+
+Tokens loaded by kvbackend's tier connector (host memory / disk) arrive as
+``num_external_computed_tokens``: they get fresh blocks right after the device
+hit, which vLLM makes block-aligned whenever an external hit exists (it drops
+a partial device tail, so no copy-on-write block is ever overwritten by a
+load). They count as computed once loaded, but a load can fail (a missing or
+corrupted block), and vLLM learns that only after the step ran. So a request
+that loads is *not* published to the tree in its admission step; its next
+``allocate_slots`` (or ``free``) publishes what is then known to be computed:
+vLLM has by then cut ``num_computed_tokens`` back to the first failed block
+(``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
+the same blocks. Nothing another request can match ever comes from a failed load.
 """
 
 from __future__ import annotations
@@ -110,11 +122,16 @@ class KVBackendManager(KVCacheManager):
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
-        if num_external_computed_tokens or num_encoder_tokens or delay_cache_blocks:
-            raise NotImplementedError("kvbackend does not serve KV connectors or encoder-decoder "
-                                      "models (refused at start-up)")
+        if num_encoder_tokens or delay_cache_blocks:
+            raise NotImplementedError("kvbackend does not serve asynchronous KV loads or "
+                                      "encoder-decoder models (refused at start-up)")
         tracked = self._track(request)
-        computed = request.num_computed_tokens + num_new_computed_tokens
+        if num_external_computed_tokens and (tracked.sequence is not None or num_new_computed_tokens
+                                             % self.block_size):
+            raise RuntimeError(f"request {request.request_id}: external tokens must start on a "
+                               "block boundary of a newly admitted request; this indicates a bug")
+        computed = (request.num_computed_tokens + num_new_computed_tokens
+                    + num_external_computed_tokens)
         total = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         headroom = self.cache.num_allocatable_blocks - reserved_blocks
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -139,9 +156,11 @@ class KVBackendManager(KVCacheManager):
             if new_block_ids is None:
                 return None
         end = computed + num_new_tokens
+        first_written = (computed - num_external_computed_tokens) // self.block_size
         self._written_this_step.update(
-            seq.block_ids[computed // self.block_size: _cdiv(end, self.block_size)])
-        self._publish(request, tracked, min(end, request.num_tokens))
+            seq.block_ids[first_written: _cdiv(end, self.block_size)])
+        if not num_external_computed_tokens:  # else: published once the load is known good
+            self._publish(request, tracked, min(end, request.num_tokens))
         return self._as_blocks(new_block_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -158,11 +177,30 @@ class KVBackendManager(KVCacheManager):
         self.cache.release(tracked.sequence)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        raise NotImplementedError("deferred block frees need a KV connector; kvbackend refuses "
-                                  "connectors at start-up")
+        raise NotImplementedError("deferred block frees need async scheduling or pipeline "
+                                  "parallelism, which kvbackend refuses at start-up")
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        raise NotImplementedError("block eviction after a failed KV load needs a KV connector")
+        """Blocks whose external load failed (``kv_load_failure_policy="fail"``).
+
+        Nothing to drop: a request that loads is published to the tree only after
+        vLLM has cut its computed tokens back to the first failed block, so no
+        tree node lists a failed block. Checked here, O(nodes); a violation is a bug.
+        """
+        bad = set(block_ids)
+        for node in self.cache.tree.iter_nodes(all_namespaces=True):
+            if bad.intersection(node.block_ids):
+                raise RuntimeError(f"block(s) {sorted(bad.intersection(node.block_ids))} failed "
+                                   "to load but are published in the prefix tree; this "
+                                   "indicates a bug")
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Full attention only: no block ever falls out of a window."""
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Only Mamba "align" groups have partial-tail offloads; kvbackend has none."""
+        return []
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block and pin; refused (False) while requests hold blocks."""
@@ -252,7 +290,11 @@ def _namespace(request: Request) -> Any:
 
 
 def _retention(request: Request) -> tuple[int, bool]:
-    """``kv_priority`` (int) and ``kv_pin`` (bool) from ``SamplingParams.extra_args``."""
+    """``kv_priority`` (int) and ``kv_pin`` (bool) from ``SamplingParams.extra_args``.
+
+    The OpenAI server's ``vllm_xargs`` carries only str/int/float values (JSON
+    ``true`` arrives as ``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
+    """
     params = request.sampling_params
     extra = (params.extra_args if params is not None else None) or {}
     priority, pin = extra.get("kv_priority", 0), extra.get("kv_pin", False)
@@ -260,8 +302,14 @@ def _retention(request: Request) -> tuple[int, bool]:
         logger.warning("kvbackend: request %s: kv_priority must be an int, got %r; using 0",
                        request.request_id, priority)
         priority = 0
-    if not isinstance(pin, bool):
+    key = pin.lower() if isinstance(pin, str) else pin
+    flag = _PIN_VALUES.get(key) if isinstance(key, (bool, int, str)) else None
+    if flag is None:
         logger.warning("kvbackend: request %s: kv_pin must be a bool, got %r; not pinning",
                        request.request_id, pin)
-        pin = False
-    return priority, pin
+        flag = False
+    return priority, flag
+
+
+# True == 1 and False == 0 hash alike, so these entries also accept 0 and 1.
+_PIN_VALUES = {True: True, False: False, "true": True, "false": False}

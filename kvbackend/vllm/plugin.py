@@ -11,6 +11,7 @@ flags, the other turns them into engine configuration (``scheduler_cls`` plus
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from kvbackend.vllm import engine_kwargs
@@ -20,8 +21,11 @@ BACKEND_NAMES = ("kvbackend",)
 
 
 def register() -> None:
-    """Install the CLI flags into vLLM's ``EngineArgs``; idempotent."""
+    """Install the CLI flags into vLLM's ``EngineArgs`` and route kvbackend's
+    logs through vLLM's handlers; idempotent."""
     from vllm.engine.arg_utils import EngineArgs
+
+    _share_vllm_log_handlers()
 
     if getattr(EngineArgs, "_kvbackend_flags", False):
         return
@@ -43,6 +47,18 @@ def register() -> None:
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs._kvbackend_flags = True
+
+
+def _share_vllm_log_handlers() -> None:
+    """Give the ``kvbackend`` loggers vLLM's handlers and level, so their lines
+    look like vLLM's and INFO lines are not dropped."""
+    ours, theirs = logging.getLogger("kvbackend"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +83,12 @@ def apply_flags(engine_args: Any, backend: str | None, config: dict | None) -> N
     for name, value in engine_kwargs(**(config or {})).items():
         if name == "additional_config":
             value = {**(engine_args.additional_config or {}), **value}
+        elif name == "kv_transfer_config":
+            if engine_args.kv_transfer_config is not None:
+                raise ValueError("kvbackend's host/disk tiers use vLLM's KV connector slot; they "
+                                 "cannot be combined with --kv-transfer-config")
+            from vllm.config import KVTransferConfig
+            value = KVTransferConfig(**value)
         setattr(engine_args, name, value)
 
 

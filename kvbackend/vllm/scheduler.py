@@ -13,8 +13,16 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
 from kvbackend.vllm.manager import KVBackendManager
+
+
+def is_tier_connector(kv_transfer_config: Any) -> bool:
+    """Whether ``kv_transfer_config`` selects kvbackend's own host/disk tier connector."""
+    return (kv_transfer_config is not None
+            and kv_transfer_config.kv_connector == TIER_CONNECTOR
+            and kv_transfer_config.kv_connector_module_path == TIER_CONNECTOR_MODULE)
 
 
 def unsupported_features(config: VllmConfig) -> list[str]:
@@ -25,7 +33,9 @@ def unsupported_features(config: VllmConfig) -> list[str]:
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode/prefill context parallelism": (parallel.decode_context_parallel_size > 1
                                                or getattr(parallel, "prefill_context_parallel_size", 1) > 1),
-        "KV connectors (--kv-transfer-config)": config.kv_transfer_config is not None,
+        "KV connectors other than kvbackend's tier connector (--kv-transfer-config)":
+            (config.kv_transfer_config is not None
+             and not is_tier_connector(config.kv_transfer_config)),
         "async scheduling (pass --no-async-scheduling)": bool(sched.async_scheduling),
         "priority scheduling (use the default fcfs policy)": sched.policy != "fcfs",
         "encoder-decoder models": config.model_config.is_encoder_decoder,
@@ -55,3 +65,5 @@ class KVBackendScheduler(Scheduler):
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
         )
+        if self.connector is not None:  # kvbackend's tier connector (checked above)
+            self.connector.bind_kv_cache_manager(self.kv_cache_manager)

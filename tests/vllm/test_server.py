@@ -247,10 +247,6 @@ def test_shared_prefix_hits_through_openai_api(server):
     assert "Traceback" not in server.log()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vllm_xargs is typed dict[str, str | int | float | list]: pydantic turns JSON true into 1, "
-    "and kvbackend.vllm.manager._retention accepts only a bool for kv_pin, so the pin is "
-    "dropped with a warning. Remove this marker once _retention accepts 0/1."))
 def test_kv_pin_over_http_is_honoured(server):
     prompt = _tokens(random.Random(99), 100)
     response = server.complete(prompt, vllm_xargs={"kv_pin": True})
