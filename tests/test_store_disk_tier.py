@@ -320,18 +320,23 @@ def test_full_disk_backoff_skips_writes(tier, monkeypatch):
     assert len(calls) == 1 and not tier.put(key_of(3), b"a", 1)  # still backing off
 
 
-def test_read_only_filesystem_switches_to_read_only(tier, monkeypatch, caplog):
-    tier.put(key_of(0), b"kept" * 10, 16)
+def _fail_file_creation(patch, code: int) -> None:
+    """Make every ``os.open`` that would create a file fail with ``code``."""
     real_open = os.open
 
-    def erofs(path, flags, *args):
+    def failing_open(path, flags, *args):
         if flags & os.O_CREAT:
-            raise OSError(errno.EROFS, "Read-only file system", path)
+            raise OSError(code, os.strerror(code), path)
         return real_open(path, flags, *args)
 
+    patch.setattr(os, "open", failing_open)
+
+
+def test_read_only_filesystem_switches_to_read_only(tier, monkeypatch, caplog):
+    tier.put(key_of(0), b"kept" * 10, 16)
     with caplog.at_level(logging.WARNING, logger="kvbackend.store"):
         with monkeypatch.context() as m:
-            m.setattr(os, "open", erofs)
+            _fail_file_creation(m, errno.EROFS)
             assert tier.put(key_of(1), b"x", 1) is False
     assert tier.mode == "ro" and "read-only" in caplog.text
     assert tier.get(key_of(0)) == b"kept" * 10
@@ -352,16 +357,9 @@ def test_directory_under_a_regular_file_disables_the_tier(tmp_path, caplog):
 
 def test_unwritable_existing_cache_is_served_read_only(tmp_path, tier, monkeypatch, caplog):
     tier.put(key_of(0), b"kept" * 10, 16)
-    real_open = os.open
-
-    def eacces(path, flags, *args):
-        if flags & os.O_CREAT:
-            raise OSError(errno.EACCES, "Permission denied", path)
-        return real_open(path, flags, *args)
-
     with caplog.at_level(logging.WARNING, logger="kvbackend.store"):
         with monkeypatch.context() as m:
-            m.setattr(os, "open", eacces)
+            _fail_file_creation(m, errno.EACCES)
             ro = DiskTier(tmp_path / "cache", 10 * FILE, ID)
     assert ro.mode == "ro" and "read-only" in caplog.text
     assert ro.get(key_of(0)) == b"kept" * 10 and not ro.put(key_of(1), b"x", 1)

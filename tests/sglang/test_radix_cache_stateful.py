@@ -20,21 +20,13 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
 from kvbackend.sglang.radix_cache import KVBackendRadixCache, cache_namespace  # noqa: E402
 from tests.sglang.sgl_driver import Driver  # noqa: E402
+from tests.token_reference import lcp  # noqa: E402
 
 # Few distinct tokens and shared stems, so prompts share prefixes often.
 STEMS = [(1, 2, 3, 4), (1, 2, 5), (6,), ()]
 prompts = st.builds(lambda stem, tail: list(stem) + tail,
                     st.sampled_from(STEMS), st.lists(st.integers(1, 4), min_size=1, max_size=8))
 salts = st.sampled_from([None, None, "a", "b"])
-
-
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class SGLangLifecycle(RuleBasedStateMachine):

@@ -16,18 +16,10 @@ import random
 import pytest
 from vllm import SamplingParams
 
+from tests.token_reference import lcp
 from tests.vllm.conftest import BLOCK_SIZE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-
-
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class CacheModel:
