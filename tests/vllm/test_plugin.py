@@ -1,0 +1,45 @@
+"""The plugin's flags in vLLM's own argument parsing: without ``--kv-backend`` vLLM's
+engine arguments are exactly what they are without kvbackend installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from kvbackend.vllm import SCHEDULER_CLS
+from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY
+from kvbackend.vllm.plugin import register
+
+ARGV = ["--model", "some-model", "--enable-prefix-caching", "--block-size", "32"]
+
+
+def parse(argv: list[str]) -> EngineArgs:
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_not_selected_changes_nothing():
+    """Parsed in a fresh process that never registers the plugin, then here with it."""
+    script = ("from tests.vllm.test_plugin import ARGV, parse\n"
+              "from vllm.engine.arg_utils import EngineArgs\n"
+              "assert not getattr(EngineArgs, '_kvbackend_flags', False)\n"
+              "print(repr(parse(ARGV)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    register()
+    register()  # idempotent
+    assert repr(parse(ARGV)) == done.stdout.strip().splitlines()[-1]
+
+
+def test_selected_sets_scheduler_and_config():
+    register()
+    args = parse(ARGV + ["--kv-backend", "kvbackend",
+                         "--kv-backend-config", '{"max_pinned_fraction": 0.25}'])
+    assert args.scheduler_cls == SCHEDULER_CLS
+    assert args.enable_prefix_caching is False and args.async_scheduling is False
+    assert args.additional_config[ADDITIONAL_CONFIG_KEY]["max_pinned_fraction"] == 0.25
+    assert args.kv_transfer_config is None  # no tier keys: no connector
