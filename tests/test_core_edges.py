@@ -69,6 +69,18 @@ def test_divergence_inside_a_block_gives_each_branch_its_own_block(cache):
     assert cache.match([1, 2, 3, 4, 5]).num_tokens == 5
 
 
+def test_evicting_a_branch_inside_a_block_frees_its_block_and_keeps_the_other(cache):
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9, 9]  # diverge inside block 1
+    run(cache, a)
+    run(cache, b)  # b used last: a is the LRU leaf, its block 1 shared with [4, 6)
+    free = cache.pool.num_free
+    assert cache.evict(1) == 1 and cache.pool.num_free == free + 1
+    cache.check_invariants()
+    assert cache.match(b).num_tokens == 8
+    assert cache.match(a).num_tokens == 6  # served from b's copy of block 1
+    cache.check_invariants()
+
+
 def test_pool_exhausted_returns_none_and_changes_nothing():
     cache = PrefixCache(num_blocks=4, block_size=BS)  # 3 usable blocks
     seq = cache.open_sequence(cache.match([1] * 8), 8)

@@ -10,8 +10,10 @@ tree compares token ids, never hashes.
                                                       C holds blocks 1'', ...
 
 A node that starts inside a block (B and C start at position 10, inside block 1)
-holds its own copy of that block: the copy is valid for positions [8, 10) too,
-because it was computed (or copied) by a sequence with the same tokens there.
+holds its own copy of that block, or shares its parent's: the copy is valid for
+positions [8, 10) too, because it was computed (or copied) by a sequence with the
+same tokens there. For the same reason an unlocked parent may drop its own copy
+for a child's when eviction would otherwise free nothing (``_borrow_boundary_block``).
 
 Invariants (checked by ``check_invariants``):
     * children[t].tokens[0] == t; child.start == parent.end; child.parent is parent
@@ -104,6 +106,10 @@ class RadixTree:
             return True
         if node.end < match.num_tokens:
             return False
+        if match.num_partial_tokens:  # the node's partial block may have been swapped
+            index = (match.num_tokens - 1) // self.block_size - node.start // self.block_size
+            if node.block_ids[index] != match.block_ids[-1]:
+                return False
         while not node.is_root:
             if node.parent.children.get(int(node.tokens[0])) is not node:
                 return False
@@ -233,8 +239,10 @@ class RadixTree:
             keep = max(len(leaf.block_ids) - (num_blocks - freed), 0)
             new_end = (leaf.start // self.block_size + keep) * self.block_size
             if new_end <= leaf.start:
+                parent = leaf.parent
                 dropped = self._blocks.unref(leaf.block_ids, hold=False)
                 self._remove_leaf(leaf)
+                dropped += self._borrow_boundary_block(parent)
             else:
                 dropped = self._blocks.unref(leaf.block_ids[keep:], hold=False)
                 leaf.tokens = leaf.tokens[: new_end - leaf.start].copy()
@@ -305,6 +313,26 @@ class RadixTree:
                 del self._roots[parent.namespace]
         else:
             self._refresh(parent)
+
+    def _borrow_boundary_block(self, node: RadixNode) -> int:
+        """Free the block ``node`` ends inside of when a child holds a copy of it.
+
+        Each child of a node that ends inside a block starts in that block, and its
+        first block is valid for the node's positions there too (module docstring).
+        So an unlocked node whose last block no child shares may use a child's copy
+        instead and drop its own: after a leaf that shared the node's block is
+        evicted, this is what actually frees a block. Returns the blocks freed. O(1).
+        """
+        if (node.is_root or node.lock_ref or not node.children
+                or node.end % self.block_size == 0):
+            return 0
+        own = node.block_ids[-1]
+        firsts = [child.block_ids[0] for child in node.children.values()]
+        if own in firsts:
+            return 0
+        self._blocks.ref([firsts[0]], hold=False)
+        node.block_ids[-1] = firsts[0]
+        return self._blocks.unref([own], hold=False)
 
     def _frees_nothing(self, leaf: RadixNode) -> bool:
         """A leaf whose only block is the one it shares with a locked parent."""

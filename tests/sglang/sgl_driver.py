@@ -1,11 +1,16 @@
 """The scheduler's call sequence on real SGLang pools and requests (not a test module).
 
 ``Driver`` admits, decodes, checkpoints, finishes and aborts requests the way
-SGLang's scheduler does (Req.init_next_round_input -> match_kv_cache, tree_cache.lock, the allocator's
-evict_to_free_tokens, checkpoint_kv_cache, release_kv_cache), on a real
-ReqToTokenPool, TokenToKVPoolAllocator and MHATokenToKVPool on device "cpu".
-Every computed slot's K value is a fingerprint of (namespace, tokens up to it),
-so reading a matched prefix checks that the cache hands out the right KV.
+SGLang's scheduler does (Req.init_next_round_input -> match_kv_cache, tree_cache.lock,
+the allocator's evict_to_free_tokens, checkpoint_kv_cache, release_kv_cache), on a real
+ReqToTokenPool and MHATokenToKVPool on device "cpu" and the allocator SGLang picks for
+the page size: TokenToKVPoolAllocator (page_size 1, slots from ``alloc``) or
+PagedTokenToKVPoolAllocator (slots from SGLang's alloc_paged_token_slots_extend /
+_decode, which continue a row's last page from its last slot), the latter in SGLang's
+debug mode (it asserts page alignment and that no page is free twice).
+Every computed slot's K value is a fingerprint of (namespace, tokens up to it), so
+reading a matched prefix, or any running request's row, checks that the cache hands
+out and keeps the right KV.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from sglang.srt.managers.scheduler_components.invariant_checker import (
     SchedulerInvariantChecker,
 )
+from sglang.srt.managers.scheduler_components.pool_stats_observer import kv_private_tokens
+from sglang.srt.mem_cache.allocation import (
+    alloc_paged_token_slots_decode,
+    alloc_paged_token_slots_extend,
+)
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
@@ -32,18 +43,27 @@ def fingerprint(salt, tokens) -> float:
 
 
 class Driver:
-    def __init__(self, cache_cls, *, num_slots: int = 96, num_rows: int = 6,
-                 max_context_len: int = 64, eviction_policy: str = "lru") -> None:
+    def __init__(self, cache_cls, *, page_size: int = 1, num_slots: int = 96,
+                 num_rows: int = 6, max_context_len: int = 64,
+                 eviction_policy: str = "lru") -> None:
+        self.page_size = page_size
         self.rows = ReqToTokenPool(size=num_rows, max_context_len=max_context_len,
                                    device="cpu", enable_memory_saver=False)
-        self.kv = MHATokenToKVPool(size=num_slots, page_size=1, dtype=torch.float32, head_num=1,
-                                   head_dim=1, layer_num=1, device="cpu",
+        self.kv = MHATokenToKVPool(size=num_slots, page_size=page_size, dtype=torch.float32,
+                                   head_num=1, head_dim=1, layer_num=1, device="cpu",
                                    enable_memory_saver=False)
-        self.allocator = TokenToKVPoolAllocator(size=num_slots, dtype=torch.float32,
-                                                device="cpu", kvcache=self.kv, need_sort=False)
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(size=num_slots, dtype=torch.float32,
+                                                    device="cpu", kvcache=self.kv,
+                                                    need_sort=False)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                size=num_slots, page_size=page_size, dtype=torch.float32, device="cpu",
+                kvcache=self.kv, need_sort=False)
+            self.allocator.debug_mode = True  # SGLANG_DEBUG_MEMORY_POOL's checks
         self.cache = cache_cls(CacheInitParams(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
-            page_size=1, eviction_policy=eviction_policy))
+            page_size=page_size, eviction_policy=eviction_policy))
         self.live: dict[str, Req] = {}
         self._ids = itertools.count()
 
@@ -59,9 +79,8 @@ class Driver:
         req.lock = self.cache.lock(req.last_node)
         prefix = self.cache.prefix_device_indices(req)
         self.check_prefix_kv(req, prefix)
-        need = len(tokens) - req.prefix_len
-        self.allocator.evict_to_free_tokens(self.cache, need)
-        slots = self.allocator.alloc(need) if need else torch.empty(0, dtype=torch.int64)
+        last_loc = prefix[-1:] if len(prefix) else torch.tensor([-1])
+        slots = self._alloc_slots(req.prefix_len, len(tokens), last_loc, decode=False)
         if slots is None:
             self.cache.unlock(req.lock)
             return None
@@ -76,21 +95,29 @@ class Driver:
         return req
 
     def decode(self, req: Req, new_tokens) -> bool:
-        """One slot per generated token; False if the pool is exhausted."""
-        for t in new_tokens:
-            if req.kv.kv_allocated_len >= self.rows.req_to_token.shape[1]:
-                return False
-            self.allocator.evict_to_free_tokens(self.cache, 1)
-            slot = self.allocator.alloc(1)
-            if slot is None:
-                return False
-            pos = req.kv.kv_allocated_len
-            req.output_ids.append(int(t))
-            req.refresh_fill_ids()
-            self.rows.write((req.kv.req_pool_idx, slice(pos, pos + 1)), slot.to(torch.int32))
-            self._compute(req, pos, pos + 1)
-            req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + 1
-            req.extend_end = pos + 1
+        """One decode step (one slot) per token; False if the pool is exhausted."""
+        return all(self._append(req, [t], decode=True) for t in new_tokens)
+
+    def extend(self, req: Req, new_tokens) -> bool:
+        """All of ``new_tokens`` in one extend from the row's end, wherever in a page it
+        is (a chunked prefill's next chunk); False, with nothing done, if they do not fit."""
+        return self._append(req, new_tokens, decode=False)
+
+    def _append(self, req: Req, new_tokens, *, decode: bool) -> bool:
+        start = req.kv.kv_allocated_len
+        end = start + len(new_tokens)
+        if end > self.rows.req_to_token.shape[1]:
+            return False
+        row = req.kv.req_pool_idx
+        last_loc = self.rows.req_to_token[row, start - 1:start].to(torch.int64)
+        slots = self._alloc_slots(start, end, last_loc, decode=decode)
+        if slots is None:
+            return False
+        req.output_ids.extend(int(t) for t in new_tokens)
+        req.refresh_fill_ids()
+        self.rows.write((row, slice(start, end)), slots.to(torch.int32))
+        self._compute(req, start, end)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = req.extend_end = end
         return True
 
     def checkpoint(self, req: Req) -> None:
@@ -105,6 +132,28 @@ class Driver:
         release_kv_cache(req, self.cache, checkpoint=False)
         del self.live[req.rid]
 
+    def _alloc_slots(self, start: int, end: int, last_loc: torch.Tensor, *,
+                     decode: bool) -> torch.Tensor | None:
+        """Slots for row positions ``[start, end)`` (an extend, or a one-token decode) as
+        the scheduler allocates them; ``last_loc`` is the slot at ``start - 1`` ([-1] for
+        none). None, with nothing allocated, when the pool cannot fit them even after
+        eviction (the scheduler would not have admitted the request, or would retract it)."""
+        num = end - start
+        if self.page_size == 1:
+            self.allocator.evict_to_free_tokens(self.cache, num)
+            return self.allocator.alloc(num)
+        ps = self.page_size
+        new_pages = -(-end // ps) - -(-start // ps)
+        self.allocator.evict_to_free_tokens(self.cache, new_pages * ps)
+        if self.allocator.available_size() < new_pages * ps:
+            return None
+        # A batch of one; on "cpu" the device and host length tensors are the same.
+        prefix_lens, seq_lens = torch.tensor([start]), torch.tensor([end])
+        if decode:
+            return alloc_paged_token_slots_decode(self.cache, seq_lens, seq_lens, last_loc)
+        return alloc_paged_token_slots_extend(self.cache, prefix_lens, prefix_lens, seq_lens,
+                                              seq_lens, last_loc, num)
+
     # ---------------------------------------------------------------- checks
     def _compute(self, req: Req, start: int, end: int) -> None:
         """The "forward pass": write each new slot's KV fingerprint."""
@@ -114,14 +163,24 @@ class Driver:
             self.kv.k_buffer[0][int(row[pos])] = fingerprint(req.cache_salt, ids[: pos + 1])
 
     def check_prefix_kv(self, req: Req, prefix: torch.Tensor) -> None:
-        ids = req.origin_input_ids
-        for pos, slot in enumerate(prefix.tolist()):
+        """The matched slots hold the KV of exactly the request's first tokens."""
+        self._check_kv(req, req.origin_input_ids, prefix.tolist(), "matched")
+
+    def check_rows_kv(self) -> None:
+        """Every running request's row still reads the KV of exactly its tokens."""
+        for req in self.live.values():
+            row = self.rows.req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len]
+            self._check_kv(req, req.full_untruncated_fill_ids, row.tolist(), "row")
+
+    def _check_kv(self, req: Req, ids, slots: list[int], what: str) -> None:
+        for pos, slot in enumerate(slots):
             got = float(self.kv.k_buffer[0][slot].item())
             assert got == fingerprint(req.cache_salt, ids[: pos + 1]), (
-                f"{req.rid}: matched slot {slot} at position {pos} holds other KV")
+                f"{req.rid}: {what} slot {slot} at position {pos} holds other KV")
 
     def request_owned(self) -> int:
-        return sum(r.kv.kv_allocated_len - r.kv.cache_protected_len for r in self.live.values())
+        """The slots running requests own: whole pages from cache_protected_len on."""
+        return sum(kv_private_tokens(r.kv, self.page_size) for r in self.live.values())
 
     def check_accounting(self) -> None:
         """SGLang's leak check: available + evictable + protected + uncached == total."""
@@ -130,5 +189,5 @@ class Driver:
             evictable=self.cache.evictable_size(), protected=self.cache.protected_size(),
             session_held=0, total=self.allocator.size, uncached=self.request_owned())
         assert not leak, msg
-        free = self.allocator.free_pages.tolist()
-        assert len(free) == len(set(free)), "a slot was freed twice"
+        free = self.allocator.get_all_free_pages().tolist()
+        assert len(free) == len(set(free)), "a page was freed twice"

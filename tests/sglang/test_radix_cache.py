@@ -1,5 +1,5 @@
 """Scenario tests: the same scheduler call sequence on SGLang's own RadixCache (the
-behavioural reference) and on KVBackendRadixCache."""
+behavioural reference) and on KVBackendRadixCache, with page sizes 1 and 4."""
 
 import subprocess
 import sys
@@ -17,17 +17,25 @@ from kvbackend.sglang.radix_cache import KVBackendRadixCache  # noqa: E402
 from tests.sglang.sgl_driver import Driver  # noqa: E402
 
 CACHES = [pytest.param(RadixCache, id="sglang"), pytest.param(KVBackendRadixCache, id="kvbackend")]
+page_sizes = pytest.mark.parametrize("page_size", [1, 4], ids=lambda ps: f"page{ps}")
 
 
 def _check(d: Driver) -> None:
     d.check_accounting()
+    d.check_rows_kv()
     if isinstance(d.cache, KVBackendRadixCache):
         d.cache.check_invariants()
 
 
+def _aligned(d: Driver, num_tokens: int) -> int:
+    """What of ``num_tokens`` a page-granular cache keeps."""
+    return num_tokens // d.page_size * d.page_size
+
+
+@page_sizes
 @pytest.mark.parametrize("cache_cls", CACHES)
-def test_shared_prefix_is_reused_and_duplicates_freed(cache_cls):
-    d = Driver(cache_cls)
+def test_shared_prefix_is_reused_and_duplicates_freed(cache_cls, page_size):
+    d = Driver(cache_cls, page_size=page_size)
     a = d.admit(list(range(10)))
     d.decode(a, [50, 51])
     d.checkpoint(a)
@@ -37,7 +45,8 @@ def test_shared_prefix_is_reused_and_duplicates_freed(cache_cls):
     d.finish(a)
     d.finish(b)
     _check(d)
-    assert d.cache.evictable_size() == 12 + 2 and d.cache.protected_size() == 0
+    assert d.cache.evictable_size() == 12 + _aligned(d, 10) - 8
+    assert d.cache.protected_size() == 0
     c = d.admit(list(range(10)) + [50, 51, 52])
     assert c.prefix_len == 12
     _check(d)
@@ -45,9 +54,10 @@ def test_shared_prefix_is_reused_and_duplicates_freed(cache_cls):
     _check(d)
 
 
+@page_sizes
 @pytest.mark.parametrize("cache_cls", CACHES)
-def test_salts_and_extra_keys_never_share(cache_cls):
-    d = Driver(cache_cls)
+def test_salts_and_extra_keys_never_share(cache_cls, page_size):
+    d = Driver(cache_cls, page_size=page_size)
     d.finish(d.admit(list(range(12)), salt="tenant-a"))
     assert d.admit(list(range(12)), salt="tenant-b").prefix_len == 0
     assert d.admit(list(range(12))).prefix_len == 0
@@ -55,9 +65,10 @@ def test_salts_and_extra_keys_never_share(cache_cls):
     _check(d)
 
 
+@page_sizes
 @pytest.mark.parametrize("cache_cls", CACHES)
-def test_eviction_frees_unlocked_lru_leaves_only(cache_cls):
-    d = Driver(cache_cls, num_slots=40)
+def test_eviction_frees_unlocked_lru_leaves_only(cache_cls, page_size):
+    d = Driver(cache_cls, page_size=page_size, num_slots=40)
     d.finish(d.admit([1] * 4 + [2] * 8))          # older
     held = d.admit([1] * 4 + [3] * 8)             # locked while running
     d.finish(d.admit([1] * 4 + [4] * 8))          # newer
@@ -71,8 +82,48 @@ def test_eviction_frees_unlocked_lru_leaves_only(cache_cls):
     _check(d)
 
 
-def test_priority_policy_evicts_low_priority_first():
-    d = Driver(KVBackendRadixCache, eviction_policy="priority")
+SHARED, A_TAIL, B_TAIL = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10], [20, 21, 22, 23, 24]
+
+
+def _branches_inside_a_page(cache_cls) -> Driver:
+    """Page size 4, two finished prompts that share 6 tokens (they diverge inside page 1);
+    b's branch is the more recently used."""
+    d = Driver(cache_cls, page_size=4)
+    d.finish(d.admit(SHARED + A_TAIL))
+    b = d.admit(SHARED + B_TAIL)
+    assert b.prefix_len == 4  # the match stops at the page boundary
+    d.finish(b)
+    _check(d)
+    assert d.cache.evictable_size() == 3 * 4  # page 0, and a copy of page 1 per branch
+    return d
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_prompts_diverging_inside_a_page_keep_their_own_pages(cache_cls):
+    d = _branches_inside_a_page(cache_cls)
+    a, b = d.admit(SHARED + A_TAIL + [11]), d.admit(SHARED + B_TAIL + [25])
+    assert a.prefix_len == b.prefix_len == 8  # each reads its own copy (the KV check)
+    _check(d)
+    d.abort(a)
+    d.abort(b)
+    d.cache.evict(EvictParams(num_tokens=100))
+    assert d.cache.evictable_size() == 0 and d.allocator.available_size() == d.allocator.size
+    _check(d)
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_evicting_one_page_drops_only_the_lru_branch_inside_a_page(cache_cls):
+    d = _branches_inside_a_page(cache_cls)
+    d.abort(d.admit(SHARED + B_TAIL + [25]))  # b's branch used last
+    assert d.cache.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
+    _check(d)
+    assert d.admit(SHARED + B_TAIL + [25]).prefix_len == 8
+    assert d.admit(SHARED + A_TAIL + [11]).prefix_len == 4
+
+
+@page_sizes
+def test_priority_policy_evicts_low_priority_first(page_size):
+    d = Driver(KVBackendRadixCache, page_size=page_size, eviction_policy="priority")
     d.finish(d.admit([5] * 8, priority=10))
     d.finish(d.admit([6] * 8, priority=0))
     d.cache.evict(EvictParams(num_tokens=8))
@@ -80,14 +131,15 @@ def test_priority_policy_evicts_low_priority_first():
     assert d.admit([6] * 9).prefix_len == 0
 
 
-def test_pin_survives_eviction():
-    d = Driver(KVBackendRadixCache)
+@page_sizes
+def test_pin_survives_eviction(page_size):
+    d = Driver(KVBackendRadixCache, page_size=page_size)
     d.finish(d.admit([7] * 10))
     assert d.cache.pin_prefix([7] * 10)
-    assert d.cache.protected_size() == 10
+    assert d.cache.protected_size() == _aligned(d, 10)
     assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0
     d.cache.unpin_prefix([7] * 10)
-    assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 10
+    assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == _aligned(d, 10)
     _check(d)
 
 
