@@ -57,6 +57,19 @@ def test_round_trip(tier, kind):
     assert isinstance(tier, TierStore)
 
 
+def test_get_into_fills_the_callers_buffer(tier):
+    data = payload_for(key_of(0), BLOCK)
+    assert tier.put(key_of(0), data, 16)
+    out = np.zeros(BLOCK, dtype=np.uint8)
+    assert tier.get_into(key_of(0), out) == 16 and out.tobytes() == data
+    assert tier.get_into(key_of(1), out) is None  # a miss
+    assert tier.stats()["hits"] == 1 and tier.stats()["misses"] == 1
+    with pytest.raises(ValueError, match="writable"):
+        tier.get_into(key_of(0), data)
+    assert tier.get_into(key_of(0), bytearray(BLOCK - 1)) is None  # another size: a miss
+    assert len(files_of(tier)) == 1 and tier.stats()["corrupt"] == 0
+
+
 def test_survives_restart_and_shares_with_new_instance(tmp_path, tier):
     for i in range(3):
         assert tier.put(key_of(i), payload_for(key_of(i), BLOCK), 16)
@@ -119,13 +132,20 @@ CORRUPTIONS = ["payload-byte", "num-tokens", "checksum", "truncated", "short-hea
                "magic", "version", "header-len", "appended"]
 
 
+def get_into(tier, key):
+    """``tier.get_into`` into a fresh buffer of one block: the payload, or None."""
+    out = np.empty(BLOCK, dtype=np.uint8)
+    return None if tier.get_into(key, out) is None else out.tobytes()
+
+
+@pytest.mark.parametrize("read", [DiskTier.get, get_into])
 @pytest.mark.parametrize("how", CORRUPTIONS)
-def test_corrupt_file_is_a_miss_and_removed(tier, tmp_path, caplog, how):
+def test_corrupt_file_is_a_miss_and_removed(tier, tmp_path, caplog, how, read):
     tier.put(key_of(0), payload_for(key_of(0), BLOCK), 16)
     path = files_of(tier)[0]
     _corrupt(path, how, tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvbackend.store"):
-        assert tier.get(key_of(0)) is None
+        assert read(tier, key_of(0)) is None
     assert not os.path.exists(path) and len(tier) == 0 and tier.bytes_used == 0
     assert tier.stats()["corrupt"] == 1 and len(warnings_of(caplog)) == 1
     assert tier.put(key_of(0), payload_for(key_of(0), BLOCK), 16)  # heals

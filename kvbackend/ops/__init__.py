@@ -1,4 +1,5 @@
-"""Tensor ops for moving KV blocks (imports torch; ``kvbackend.core`` never imports this)."""
+"""Tensor ops for moving KV blocks: gather / scatter / copy, and ``BlockMover`` between a
+paged KV cache and the host/disk tiers. Imports torch; ``kvbackend.core`` never imports this."""
 
 from kvbackend.ops.block_copy import (
     BlockLayout,
@@ -8,8 +9,9 @@ from kvbackend.ops.block_copy import (
     gather_blocks,
     scatter_blocks,
 )
+from kvbackend.ops.block_mover import BlockMover
 
 __all__ = [
-    "BlockLayout", "block_layout", "copy_blocks", "extension_available", "gather_blocks",
+    "BlockLayout", "BlockMover", "block_layout", "copy_blocks", "extension_available", "gather_blocks",
     "scatter_blocks",
 ]

@@ -124,14 +124,26 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
-def read_block(f: BinaryIO, file_size: int, identity_digest: str | None = None,
-               key: str | None = None) -> BlockRecord:
-    """Read and verify one block file from ``f`` (positioned at 0).
+def _readinto_exact(f: BinaryIO, out: memoryview) -> int:
+    """Fill ``out`` from ``f``; returns the bytes read (< len(out) only at end of file)."""
+    got = 0
+    while got < out.nbytes and (n := f.readinto(out[got:])):
+        got += n
+    return got
 
-    Checks magic, version, header length, identity and key (when given), that
-    the payload length matches the file size, and the checksum; raises
-    ``CorruptBlock`` naming the first failed check. O(file size).
-    """
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    raw: bytes  # the 128 header bytes, checksum included
+    identity_digest: str
+    key: str
+    num_tokens: int
+    payload_len: int
+
+
+def _read_header(f: BinaryIO, file_size: int, identity_digest: str | None,
+                 key: str | None) -> _Header:
+    """Read and check the header (all but the checksum); raises ``CorruptBlock``. O(1)."""
     header = _read_exact(f, HEADER_LEN)
     if len(header) < HEADER_LEN:
         raise CorruptBlock(f"short header: {len(header)} of {HEADER_LEN} bytes")
@@ -151,14 +163,49 @@ def read_block(f: BinaryIO, file_size: int, identity_digest: str | None = None,
     if payload_len != file_size - HEADER_LEN:
         raise CorruptBlock(f"payload length {payload_len} in header, "
                            f"but {file_size - HEADER_LEN} bytes follow the header")
-    payload = _read_exact(f, payload_len)
-    if len(payload) != payload_len:
-        raise CorruptBlock(f"truncated payload: {len(payload)} of {payload_len} bytes")
-    h = hashlib.sha256(header[:_CHECKSUM_OFF])
+    return _Header(header, ident_raw.hex(), key_raw.hex(), num_tokens, payload_len)
+
+
+def _check_payload(header: _Header, payload: bytes | memoryview, got: int) -> None:
+    """Raise ``CorruptBlock`` unless all ``got`` payload bytes arrived and match the
+    checksum. O(payload); sha256 releases the GIL while it hashes."""
+    if got != header.payload_len:
+        raise CorruptBlock(f"truncated payload: {got} of {header.payload_len} bytes")
+    h = hashlib.sha256(header.raw[:_CHECKSUM_OFF])
     h.update(payload)
-    if h.digest() != header[_CHECKSUM_OFF:HEADER_LEN]:
-        raise CorruptBlock(f"checksum mismatch over {payload_len} payload bytes")
-    return BlockRecord(ident_raw.hex(), key_raw.hex(), num_tokens, payload)
+    if h.digest() != header.raw[_CHECKSUM_OFF:HEADER_LEN]:
+        raise CorruptBlock(f"checksum mismatch over {header.payload_len} payload bytes")
+
+
+def read_block(f: BinaryIO, file_size: int, identity_digest: str | None = None,
+               key: str | None = None) -> BlockRecord:
+    """Read and verify one block file from ``f`` (positioned at 0).
+
+    Checks magic, version, header length, identity and key (when given), that
+    the payload length matches the file size, and the checksum; raises
+    ``CorruptBlock`` naming the first failed check. O(file size).
+    """
+    header = _read_header(f, file_size, identity_digest, key)
+    payload = _read_exact(f, header.payload_len)
+    _check_payload(header, payload, len(payload))
+    return BlockRecord(header.identity_digest, header.key, header.num_tokens, payload)
+
+
+def read_block_into(f: BinaryIO, file_size: int, out: memoryview,
+                    identity_digest: str | None = None, key: str | None = None) -> int | None:
+    """``read_block`` straight into ``out`` (a writable 1-D byte view): no allocation
+    and no copy besides the kernel's. Returns the block's num_tokens, or None,
+    reading no payload, for a sound header announcing a payload of another size
+    than ``out`` (a partial block, say: not corrupt, just not what the caller wants).
+
+    Same checks as ``read_block``; after a ``CorruptBlock`` the contents of ``out``
+    are undefined. O(file size).
+    """
+    header = _read_header(f, file_size, identity_digest, key)
+    if header.payload_len != out.nbytes:
+        return None
+    _check_payload(header, out, _readinto_exact(f, out))
+    return header.num_tokens
 
 
 def verify_file(path: str, identity_digest: str | None = None,

@@ -69,11 +69,11 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable, TypeVar
 
 from kvbackend.store.block_file import (
     HEADER_LEN, MAX_NUM_TOKENS, SUFFIX, TMP_SUFFIX, BlockRecord, CorruptBlock, as_byte_view,
-    block_path, encode_header, read_block, write_block_atomic,
+    block_path, encode_header, read_block, read_block_into, write_block_atomic,
 )
 from kvbackend.store.identity import CacheIdentity
 from kvbackend.store.tier import Payload, check_key
@@ -84,13 +84,14 @@ FORMAT_DIR = "v1"
 IDENTITY_FILE = "identity.json"
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _READONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+_T = TypeVar("_T")
 
 
 class DiskTier:
     """LRU-bounded, checksummed block files under ``<directory>/v1/<identity digest>``.
 
     ``mode`` is "rw", "ro" (serves reads, refuses puts) or "disabled" (misses
-    everything). Complexity: ``put``/``get`` O(payload) I/O plus O(1) index
+    everything). Complexity: ``put``/``get``/``get_into`` O(payload) I/O plus O(1) index
     work; ``contains`` one ``stat``; eviction O(#evicted) unlinks; a rescan
     O(#files of this identity).
     """
@@ -282,6 +283,25 @@ class DiskTier:
 
     def get_record(self, key: str) -> BlockRecord | None:
         """Like ``get``, with the block's ``num_tokens`` (for partial blocks)."""
+        return self._read(key, lambda f, size: read_block(f, size, self.identity_digest, key))
+
+    def get_into(self, key: str, out: Payload) -> int | None:
+        """Like ``get``, but the verified payload lands in ``out`` (a writable,
+        C-contiguous buffer of exactly the payload's size: no allocation, no copy
+        besides the kernel's). Returns the block's ``num_tokens``, or None on a miss
+        (a block of another size is one too), after which the contents of ``out``
+        are undefined. O(payload)."""
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise ValueError("get_into needs a writable buffer")
+        return self._read(key, lambda f, size: read_block_into(
+            f, size, view, self.identity_digest, key))
+
+    def _read(self, key: str, reader: Callable[[BinaryIO, int], _T | None]) -> _T | None:
+        """Open ``key``'s file and return ``reader(file, file size)``; every failure,
+        and a None from ``reader``, is a miss (a ``CorruptBlock`` also deletes the
+        file). A hit refreshes the key's recency here and, through the file's mtime,
+        for other processes."""
         check_key(key)
         if self.mode == "disabled":
             self._counters["misses"] += 1
@@ -291,7 +311,7 @@ class DiskTier:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 try:
-                    record = read_block(f, st.st_size, self.identity_digest, key)
+                    result = reader(f, st.st_size)
                 except CorruptBlock as e:
                     self._discard_bad(key, path, st, str(e))
                     self._counters["misses"] += 1
@@ -305,6 +325,9 @@ class DiskTier:
                             path, e)
             self._counters["misses"] += 1
             return None
+        if result is None:
+            self._counters["misses"] += 1
+            return None
         self._learn(key, st.st_size)
         if self.mode == "rw":
             try:
@@ -312,7 +335,7 @@ class DiskTier:
             except OSError:
                 pass
         self._counters["hits"] += 1
-        return record
+        return result
 
     def contains(self, key: str) -> bool:
         """Whether a block file exists (one ``stat``; ``get`` does the verification)."""

@@ -28,16 +28,17 @@ Scheduler side, per request:
     failed block (``kv_load_failure_policy="recompute"``) and the manager never
     published them (see ``KVBackendManager``).
 
-Worker side, per step: ``start_load_kv`` (before the forward pass) reads each
-block from host, else disk (verified: checksum, identity, size), and scatters
-them into their blocks in all layers with one ``scatter_blocks`` call; a miss
+Worker side, per step (bytes move through ``kvbackend.ops.BlockMover``, a block at a time,
+without staging copies on a CPU cache): ``start_load_kv`` (before the forward pass) takes each
+block from host, else disk (read straight into its buffer and verified there:
+checksum, identity, size), and scatters it into its block in all layers; a miss
 or a bad block is reported by ``get_block_ids_with_load_errors`` and scattered
 nowhere. ``wait_for_save`` (after the forward pass, so the bytes are final)
-applies drops, then gathers every saved block with one ``gather_blocks`` call
-and puts each block's bytes (all layers) into host memory and/or ``DiskTier``
-(atomic, checksummed writes). Saves run synchronously here rather than being
-deferred to the next step: on the CPU there is no copy engine to overlap with,
-and a block must be read before any later step can reuse it.
+applies drops, then gathers each saved block (all layers) straight into the
+array the host tier keeps and/or writes it to ``DiskTier`` (atomic, checksummed
+writes). Saves run synchronously here rather than being deferred to the next
+step: on the CPU there is no copy engine to overlap with, and a block must be
+read before any later step can reuse it.
 
 Best effort throughout: nothing here raises into vLLM; a failed save is a
 future miss and a failed load is recomputed.
@@ -52,12 +53,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
 )
 
+from kvbackend.ops import BlockMover
 from kvbackend.store import CacheIdentity, DiskTier, HostTier, compute_block_keys, model_fingerprint
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.manager import _namespace
@@ -411,10 +411,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
     def _init_worker(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         self._vllm_config = vllm_config
         self._kv_config = kv_cache_config
-        self._layers: list[torch.Tensor] = []
-        self._block_dim = 0
-        self._host_tier: HostTier | None = None
-        self._disk_tier: DiskTier | None = None
+        self._mover: BlockMover | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self.enabled = False  # until register_kv_caches succeeds
@@ -454,15 +451,15 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001 - not initialised: a single worker
             rank = 0
         identity = tier_identity(self._vllm_config, self._kv_config, tp_rank=rank)
-        self._layers, self._block_dim = layers, block_dim
-        if self.host_bytes > 0:
-            self._host_tier = HostTier(self.host_bytes)
+        host = HostTier(self.host_bytes) if self.host_bytes > 0 else None
+        disk = None
         if self.settings.disk_cache_dir is not None:
-            self._disk_tier = DiskTier(self.settings.disk_cache_dir, self.disk_bytes, identity)
-            if self._disk_tier.mode != "rw":
+            disk = DiskTier(self.settings.disk_cache_dir, self.disk_bytes, identity)
+            if disk.mode != "rw":
                 logger.warning("kvbackend tiers: disk tier at %s is %s; the server keeps "
                                "serving without persisting KV blocks", self.settings.disk_cache_dir,
-                               "read-only" if self._disk_tier.mode == "ro" else "disabled")
+                               "read-only" if disk.mode == "ro" else "disabled")
+        self._mover = BlockMover(layers, block_dim, self.block_nbytes, self.block_size, host, disk)
         self.enabled = True
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -485,36 +482,12 @@ class KVBackendTierConnector(KVConnectorBase_V1):
             self._failed_reqs.add(req_id)
 
     def _load(self, loads: list[tuple[str, int, str, bool]]) -> None:
-        import torch
-
-        from kvbackend.ops import scatter_blocks
-
-        nbytes = self.block_nbytes
-        good: list[tuple[int, Any]] = []
-        promotions: list[tuple[str, np.ndarray]] = []
-        for req_id, block_id, key, promote in loads:
-            payload, from_disk = None, False
-            if self._host_tier is not None:
-                payload = self._host_tier.get(key)
-            if payload is None and self._disk_tier is not None:
-                payload, from_disk = self._disk_tier.get(key), True
-            array = None if payload is None else np.frombuffer(payload, dtype=np.uint8).reshape(-1)
-            if array is None or array.nbytes != nbytes:
+        done = self._mover.load_many([(block_id, key, promote)
+                                      for _, block_id, key, promote in loads])
+        for (req_id, block_id, _, _), ok in zip(loads, done):
+            if not ok:
                 self._load_errors.add(block_id)
                 self._failed_reqs.add(req_id)
-                continue
-            good.append((block_id, array))
-            if promote and from_disk and self._host_tier is not None:
-                promotions.append((key, array))
-        if good:
-            buffer = torch.empty((len(good), nbytes), dtype=torch.uint8)
-            rows = buffer.numpy()
-            for i, (_, array) in enumerate(good):
-                rows[i] = array
-            ids = torch.tensor([b for b, _ in good], dtype=torch.int64)
-            scatter_blocks(buffer, self._layers, ids, block_dim=self._block_dim)
-        for key, array in promotions:  # disk bytes are immutable: keep them as they are
-            self._host_tier.put(key, array, self.block_size)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are synchronous and complete before the forward pass
@@ -528,9 +501,9 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if not self.enabled or not isinstance(meta, TierMetadata):
             return
         try:
-            if self._host_tier is not None:
+            if self._mover.host is not None:
                 for key in meta.drops:
-                    self._host_tier.remove(key)
+                    self._mover.host.remove(key)
             saves = [s for s in meta.saves if s[0] not in self._failed_reqs]
             if saves:
                 self._save(saves)
@@ -539,18 +512,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                              "when needed")
 
     def _save(self, saves: list[tuple[str, int, str, bool, bool]]) -> None:
-        import torch
-
-        from kvbackend.ops import gather_blocks
-
-        ids = torch.tensor([s[1] for s in saves], dtype=torch.int64)
-        out = gather_blocks(self._layers, ids, block_dim=self._block_dim)
-        rows = out.numpy().reshape(len(saves), -1)
-        for (_, _, key, to_host, to_disk), row in zip(saves, rows):
-            if to_host and self._host_tier is not None:
-                self._host_tier.put(key, row.copy(), self.block_size)
-            if to_disk and self._disk_tier is not None:
-                self._disk_tier.put(key, row, self.block_size)
+        for _, block_id, key, to_host, to_disk in saves:
+            self._mover.save(block_id, key, to_host, to_disk)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -1,0 +1,141 @@
+"""Whole KV blocks (all layers) between a paged KV cache and the host/disk tiers.
+
+``BlockMover`` is what a worker runs to load tier blocks into freshly allocated
+cache blocks and to save computed ones. Host payloads are numpy uint8 arrays of
+``block_nbytes``; a CPU cache is gathered into and scattered from them directly,
+a GPU cache through one device staging block (a host-to-device or device-to-host
+copy per block; the tiers themselves always live in host memory).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+import torch
+
+from kvbackend.ops.block_copy import gather_blocks, scatter_blocks
+from kvbackend.store import DiskTier, HostTier
+
+READERS = 2  # threads reading and verifying disk blocks ahead of the scatters
+
+
+class BlockMover:
+    """A worker's byte mover between its KV cache and its host/disk tiers.
+
+    * ``load_many``: a host payload is scattered straight from host memory; a disk
+      block is read (``readinto``) and verified in place, into a fresh array when
+      it is promoted to host, else into a reused staging row, then scattered. Disk
+      reads run ahead on ``READERS`` threads (``readinto`` and sha256 release the
+      GIL), at most ``2 * READERS`` blocks ahead of the scatters, in order.
+    * ``save``: a block is gathered straight into the array the host tier keeps
+      (or into a staging row when it goes to disk only) and written from there.
+
+    On a CPU cache a block costs one memcpy, plus one sha256 pass when it comes
+    from or goes to disk; apart from the arrays the host tier keeps, nothing is
+    allocated per block. Invariant: the host tier holds only arrays made here
+    (1-D, uint8, ``block_nbytes`` long, writable). Calls must not overlap;
+    O(block_nbytes) per block.
+    """
+
+    def __init__(self, layers: list[torch.Tensor], block_dim: int, block_nbytes: int,
+                 block_size: int, host: HostTier | None, disk: DiskTier | None) -> None:
+        self.layers, self.block_dim = layers, block_dim
+        self.block_nbytes, self.block_size = block_nbytes, block_size
+        self.host, self.disk = host, disk
+        self.device = layers[0].device
+        self._staging = [np.empty(block_nbytes, dtype=np.uint8) for _ in range(2 * READERS)]
+        self._device_row = (None if self.device.type == "cpu" else
+                            torch.empty(block_nbytes, dtype=torch.uint8, device=self.device))
+        self._readers: ThreadPoolExecutor | None = None
+
+    def load_many(self, loads: list[tuple[int, str, bool]]) -> list[bool]:
+        """For each (block id, key, promote): fill that block of every layer with the
+        key's bytes from host, else disk (then kept in host too if ``promote``).
+        Returns, per load, whether it succeeded; a failed one leaves its block
+        untouched."""
+        done = [False] * len(loads)
+        reads: deque[tuple[int, Future, np.ndarray, bool]] = deque()
+        try:
+            for i, (block_id, key, promote) in enumerate(loads):
+                row = self._host_row(key)
+                if row is not None:
+                    self._scatter(row, block_id)
+                    done[i] = True
+                elif self.disk is not None:
+                    if len(reads) == len(self._staging):
+                        self._finish_oldest(reads, loads, done)
+                    keep = promote and self.host is not None
+                    row = (np.empty(self.block_nbytes, dtype=np.uint8) if keep
+                           else self._free_row(reads))
+                    reads.append((i, self._reader().submit(self.disk.get_into, key, row),
+                                  row, keep))
+            while reads:
+                self._finish_oldest(reads, loads, done)
+        finally:  # after an error too: no read may still be writing into a staging row
+            wait([read for _, read, _, _ in reads])
+        return done
+
+    def save(self, block_id: int, key: str, to_host: bool, to_disk: bool) -> None:
+        """Copy block ``block_id`` of every layer into the host tier and/or the disk tier."""
+        to_host, to_disk = to_host and self.host is not None, to_disk and self.disk is not None
+        if not (to_host or to_disk):
+            return
+        row = np.empty(self.block_nbytes, dtype=np.uint8) if to_host else self._staging[0]
+        self._gather(block_id, row)
+        if to_host:
+            self.host.put(key, row, self.block_size)
+        if to_disk:
+            self.disk.put(key, row, self.block_size)
+
+    def _host_row(self, key: str) -> np.ndarray | None:
+        payload = None if self.host is None else self.host.get(key)
+        if isinstance(payload, np.ndarray) and payload.nbytes == self.block_nbytes:
+            return payload
+        return None
+
+    def _free_row(self, reads: deque[tuple[int, Future, np.ndarray, bool]]) -> np.ndarray:
+        """A staging row no read in flight uses (there is one: fewer reads than rows)."""
+        busy = {id(row) for _, _, row, _ in reads}
+        return next(row for row in self._staging if id(row) not in busy)
+
+    def _finish_oldest(self, reads: deque[tuple[int, Future, np.ndarray, bool]],
+                       loads: list[tuple[int, str, bool]], done: list[bool]) -> None:
+        """Wait for the oldest disk read; scatter it (and keep it in host) if it verified."""
+        i, read, row, keep = reads.popleft()
+        if read.result() is None:
+            return
+        block_id, key, _ = loads[i]
+        if keep:  # disk bytes are immutable: the host tier keeps this very array
+            self.host.put(key, row, self.block_size)
+        self._scatter(row, block_id)
+        done[i] = True
+
+    def _reader(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvbackend-read")
+        return self._readers
+
+    def _scatter(self, row: np.ndarray, block_id: int) -> None:
+        """Host bytes ``row`` -> block ``block_id`` of every layer."""
+        source = torch.from_numpy(row)
+        if self._device_row is not None:
+            source = self._device_row.copy_(source)  # synchronous: ``row`` may be reused next
+        scatter_blocks(source, self.layers, _ids(block_id), block_dim=self.block_dim)
+
+    def _gather(self, block_id: int, row: np.ndarray) -> None:
+        """Block ``block_id`` of every layer -> host bytes ``row``."""
+        target = torch.from_numpy(row)
+        if self._device_row is None:
+            gather_blocks(self.layers, _ids(block_id), target, block_dim=self.block_dim)
+            return
+        gather_blocks(self.layers, _ids(block_id), self._device_row, block_dim=self.block_dim)
+        target.copy_(self._device_row)  # synchronous device-to-host copy
+
+
+def _ids(block_id: int) -> torch.Tensor:
+    return torch.tensor([block_id], dtype=torch.int64)
+
+
+__all__ = ["BlockMover", "READERS"]
