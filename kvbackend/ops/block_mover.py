@@ -4,7 +4,7 @@
 cache blocks and to save computed ones. Host payloads are numpy uint8 arrays of
 ``block_nbytes``; a CPU cache is gathered into and scattered from them directly,
 a GPU cache through one device staging block (a host-to-device or device-to-host
-copy per block; the tiers themselves always live in host memory).
+copy per block, from pinned host memory; the tiers always live in host memory).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class BlockMover:
         self.block_nbytes, self.block_size = block_nbytes, block_size
         self.host, self.disk = host, disk
         self.device = layers[0].device
-        self._staging = [np.empty(block_nbytes, dtype=np.uint8) for _ in range(2 * READERS)]
+        self._staging = [self._new_row() for _ in range(2 * READERS)]
         self._device_row = (None if self.device.type == "cpu" else
                             torch.empty(block_nbytes, dtype=torch.uint8, device=self.device))
         self._readers: ThreadPoolExecutor | None = None
@@ -67,8 +67,7 @@ class BlockMover:
                     if len(reads) == len(self._staging):
                         self._finish_oldest(reads, loads, done)
                     keep = promote and self.host is not None
-                    row = (np.empty(self.block_nbytes, dtype=np.uint8) if keep
-                           else self._free_row(reads))
+                    row = self._new_row() if keep else self._free_row(reads)
                     reads.append((i, self._reader().submit(self.disk.get_into, key, row),
                                   row, keep))
             while reads:
@@ -82,12 +81,19 @@ class BlockMover:
         to_host, to_disk = to_host and self.host is not None, to_disk and self.disk is not None
         if not (to_host or to_disk):
             return
-        row = np.empty(self.block_nbytes, dtype=np.uint8) if to_host else self._staging[0]
+        row = self._new_row() if to_host else self._staging[0]
         self._gather(block_id, row)
         if to_host:
             self.host.put(key, row, self.block_size)
         if to_disk:
             self.disk.put(key, row, self.block_size)
+
+    def _new_row(self) -> np.ndarray:
+        """A host buffer for one block: pinned when the cache is on a GPU (the array
+        keeps its pinned tensor alive), plain numpy memory otherwise."""
+        if self.device.type == "cpu":
+            return np.empty(self.block_nbytes, dtype=np.uint8)
+        return torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
     def _host_row(self, key: str) -> np.ndarray | None:
         payload = None if self.host is None else self.host.get(key)
