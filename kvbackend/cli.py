@@ -5,8 +5,9 @@
     kvbackend cache clear  DIR [--model DIGEST_PREFIX]
 
 ``--model`` matches a prefix of the identity digest (directory name) or of the
-model fingerprint recorded in ``identity.json``. ``clear`` removes only files
-the format defines (block, temp and identity files), never other files.
+model fingerprint recorded in ``identity.json``. All three see only the current
+format's ``v2`` tree; ``clear`` removes only files it defines (block, temp and
+identity files), never other files, nor a ``v1`` tree of an older format.
 Exit codes: 0 success, 1 bad files found (verify), 2 usage error.
 """
 

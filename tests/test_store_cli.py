@@ -2,13 +2,14 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from kvbackend.cli import main
-from kvbackend.store.disk_tier import DiskTier
+from kvbackend.store.disk_tier import FORMAT_DIR, DiskTier
 from tests.store_helpers import key_of, make_identity, payload_for
 
 MODEL_A, MODEL_B = "aa" * 32, "bb" * 32
@@ -62,6 +63,19 @@ def test_verify_clean_then_corrupt(cache, capsys):
     assert main(["cache", "verify", str(root), "--no-progress", "--delete"]) == 1
     assert not os.path.exists(bad)
     assert main(["cache", "verify", str(root), "--no-progress"]) == 0
+
+
+def test_older_format_tree_is_ignored(cache, capsys):
+    root, _, _ = cache
+    old = root / "v1"
+    shutil.copytree(root / FORMAT_DIR, old)  # a format-1 tree left behind
+    old_files = block_paths(old)
+    assert main(["cache", "stats", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"] == 4
+    assert main(["cache", "verify", str(root), "--no-progress"]) == 0
+    assert "verified 4 block files" in capsys.readouterr().out
+    assert main(["cache", "clear", str(root)]) == 0
+    assert block_paths(root) == old_files  # clear leaves it alone
 
 
 def test_clear_by_model_prefix_then_all(cache, capsys):

@@ -14,7 +14,7 @@ import pytest
 
 from kvbackend.store import block_file
 from kvbackend.store.block_file import HEADER_LEN, verify_file
-from kvbackend.store.disk_tier import DiskTier
+from kvbackend.store.disk_tier import FORMAT_DIR, DiskTier
 from kvbackend.store.tier import TierStore
 from tests.store_helpers import key_of, make_identity, payload_for
 
@@ -85,6 +85,17 @@ def test_other_identity_does_not_see_blocks(tmp_path, tier):
     assert not other.contains(key_of(0)) and other.get(key_of(0)) is None
 
 
+def test_older_format_tree_is_never_read_nor_touched(tmp_path, tier):
+    tier.put(key_of(0), payload_for(key_of(0), BLOCK), 16)
+    old = tmp_path / "cache" / "v1"
+    os.rename(tmp_path / "cache" / FORMAT_DIR, old)  # as format 1 left it
+    old_files = sorted(_walk(old))
+    fresh = DiskTier(tmp_path / "cache", 10 * FILE, ID)
+    assert len(fresh) == 0 and fresh.get(key_of(0)) is None and not fresh.contains(key_of(0))
+    assert fresh.put(key_of(1), payload_for(key_of(1), BLOCK), 16)
+    assert fresh.evict_to(0) == 1 and sorted(_walk(old)) == old_files
+
+
 def test_put_existing_key_is_a_no_op(tier):
     assert tier.put(key_of(0), b"a" * 100, 16)
     mtime = os.stat(files_of(tier)[0]).st_mtime_ns
@@ -119,7 +130,7 @@ def _corrupt(path, how, tmp_path):
     elif how == "magic":
         data[0:8] = b"GARBAGE!"
     elif how == "version":
-        data[8:10] = struct.pack("<H", 2)
+        data[8:10] = struct.pack("<H", block_file.FORMAT_VERSION + 1)
     elif how == "header-len":
         data[10:12] = struct.pack("<H", 256)
     elif how == "appended":

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from kvbackend.store.identity import CacheIdentity, model_fingerprint
+from kvbackend.store.identity import FORMAT_VERSION, CacheIdentity, model_fingerprint
 from tests.store_helpers import make_identity, write_safetensors
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1}
@@ -89,7 +89,8 @@ def test_identity_digest_covers_every_field():
     variants = [make_identity(model="cd" * 32), make_identity(kv_dtype="float16"),
                 make_identity(block_size=32), make_identity(kv_layout="page_first"),
                 make_identity(tp_rank=1, tp_size=2), make_identity(tp_size=2),
-                make_identity(format_version=2), make_identity(extra=(("lora", "x"),))]
+                make_identity(format_version=FORMAT_VERSION + 1),
+                make_identity(extra=(("lora", "x"),))]
     digests = {v.digest() for v in variants}
     assert len(digests) == len(variants) and base.digest() not in digests
     assert base.digest() == make_identity().digest() and len(base.digest()) == 64

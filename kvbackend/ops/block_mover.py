@@ -27,12 +27,12 @@ class BlockMover:
     * ``load_many``: a host payload is scattered straight from host memory; a disk
       block is read (``readinto``) and verified in place, into a fresh array when
       it is promoted to host, else into a reused staging row, then scattered. Disk
-      reads run ahead on ``READERS`` threads (``readinto`` and sha256 release the
+      reads run ahead on ``READERS`` threads (``readinto`` and BLAKE3 release the
       GIL), at most ``2 * READERS`` blocks ahead of the scatters, in order.
     * ``save``: a block is gathered straight into the array the host tier keeps
       (or into a staging row when it goes to disk only) and written from there.
 
-    On a CPU cache a block costs one memcpy, plus one sha256 pass when it comes
+    On a CPU cache a block costs one memcpy, plus one checksum pass when it comes
     from or goes to disk; apart from the arrays the host tier keeps, nothing is
     allocated per block. Invariant: the host tier holds only arrays made here
     (1-D, uint8, ``block_nbytes`` long, writable). Calls must not overlap;

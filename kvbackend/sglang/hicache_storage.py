@@ -6,8 +6,8 @@ dtype and parallel shard not at all (anchors §5e). So every file key here is
 
     sha256("kvbackend-sglang-page-v1" | identity digest | len(namespace) namespace | sglang key)
 
-and the file lives under ``<disk_cache_dir>/v1/<identity digest>/``, whose header
-repeats the identity digest and a sha256 checksum of header and payload. The
+and the file lives under ``<disk_cache_dir>/v2/<identity digest>/``, whose header
+repeats the identity digest and a BLAKE3 checksum of header and payload. The
 identity (``CacheIdentity``) holds the weights fingerprint (of
 ``extra_config["model_path"]`` when given, else of the model name), the kv
 dtype and page size of the host pool, the host layout, and the TP/PP/CP/DP

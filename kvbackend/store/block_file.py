@@ -1,4 +1,4 @@
-"""Encode, atomically write, and verify one block file (format v1).
+"""Encode, atomically write, and verify one block file (format v2).
 
 The byte layout and the reasons behind it are in the docstring of
 :mod:`kvbackend.store.disk_tier`; this module is its only implementation.
@@ -7,7 +7,6 @@ Functions here raise; the tier turns every failure into a miss.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import struct
@@ -15,11 +14,12 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
+from blake3 import blake3
 
 from kvbackend.store.tier import Payload
 
 MAGIC = b"KVBLOCK\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_LEN = 128
 _PREFIX = struct.Struct("<8sHHI32s32sII Q")  # everything before the checksum
 _CHECKSUM_OFF = _PREFIX.size  # 96
@@ -42,7 +42,7 @@ class BlockRecord:
 
 
 def block_path(base: str, key: str) -> str:
-    """``<base>/<key[:2]>/<key>.kvb``, where ``base`` is ``<dir>/v1/<identity digest>``."""
+    """``<base>/<key[:2]>/<key>.kvb``, where ``base`` is ``<dir>/v2/<identity digest>``."""
     return os.path.join(base, key[:2], key + SUFFIX)
 
 
@@ -58,15 +58,20 @@ def as_byte_view(payload: Payload) -> memoryview:
     return view.cast("B")
 
 
+def _checksum(prefix: bytes, payload: bytes | memoryview) -> bytes:
+    """BLAKE3 (32 bytes) of header bytes 0..95 + payload; releases the GIL while it hashes."""
+    h = blake3(prefix)
+    h.update(payload)
+    return h.digest()
+
+
 def encode_header(identity_digest: str, key: str, num_tokens: int, payload: memoryview) -> bytes:
     """The 128-byte header for ``payload``, checksum included. O(len(payload))."""
     if not 0 <= num_tokens <= MAX_NUM_TOKENS:
         raise ValueError(f"num_tokens must lie in [0, {MAX_NUM_TOKENS}], got {num_tokens}")
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, HEADER_LEN, 0, bytes.fromhex(identity_digest),
                           bytes.fromhex(key), num_tokens, 0, payload.nbytes)
-    h = hashlib.sha256(prefix)
-    h.update(payload)
-    return prefix + h.digest()
+    return prefix + _checksum(prefix, payload)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -168,12 +173,10 @@ def _read_header(f: BinaryIO, file_size: int, identity_digest: str | None,
 
 def _check_payload(header: _Header, payload: bytes | memoryview, got: int) -> None:
     """Raise ``CorruptBlock`` unless all ``got`` payload bytes arrived and match the
-    checksum. O(payload); sha256 releases the GIL while it hashes."""
+    checksum. O(payload)."""
     if got != header.payload_len:
         raise CorruptBlock(f"truncated payload: {got} of {header.payload_len} bytes")
-    h = hashlib.sha256(header.raw[:_CHECKSUM_OFF])
-    h.update(payload)
-    if h.digest() != header.raw[_CHECKSUM_OFF:HEADER_LEN]:
+    if _checksum(header.raw[:_CHECKSUM_OFF], payload) != header.raw[_CHECKSUM_OFF:HEADER_LEN]:
         raise CorruptBlock(f"checksum mismatch over {header.payload_len} payload bytes")
 
 

@@ -27,9 +27,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvbackend.store.block_file import FORMAT_VERSION
+
 logger = logging.getLogger("kvbackend.store")
 
-FORMAT_VERSION = 1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 CONFIG_FILE = "config.json"
 _CHUNK = 8 << 20

@@ -1,7 +1,8 @@
-"""Walk a cache directory (format v1) without a tier: for the CLI and tools.
+"""Walk a cache directory (format v2) without a tier: for the CLI and tools.
 
-Only names that the format defines are reported (``v1/<64 hex>/<2 hex>/<key>.kvb``
-and ``.tmp`` files); anything else under the directory is left alone.
+Only names that the format defines are reported (``v2/<64 hex>/<2 hex>/<key>.kvb``
+and ``.tmp`` files); anything else under the directory, a ``v1`` tree of an
+older format included, is left alone.
 All functions tolerate files vanishing while they run. O(#files).
 """
 
@@ -51,7 +52,7 @@ class FileEntry:
 
 
 def identity_dirs(root: str | os.PathLike) -> list[IdentityDir]:
-    """The identity directories under ``root/v1``, sorted by digest."""
+    """The identity directories under ``root/v2``, sorted by digest."""
     base = os.path.join(os.fspath(root), FORMAT_DIR)
     try:
         names = sorted(e.name for e in os.scandir(base) if _is_hex(e.name, 64) and e.is_dir())

@@ -19,6 +19,7 @@ import random
 import pytest
 from vllm import SamplingParams
 
+from kvbackend.store.disk_tier import FORMAT_DIR
 from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
@@ -48,7 +49,7 @@ def aligned(n: int) -> int:
 
 
 def block_files(directory) -> set[str]:
-    return set(glob.glob(os.path.join(str(directory), "v1", "*", "*", "*.kvb")))
+    return set(glob.glob(os.path.join(str(directory), FORMAT_DIR, "*", "*", "*.kvb")))
 
 
 class Prompts:
