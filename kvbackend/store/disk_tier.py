@@ -201,6 +201,11 @@ class DiskTier:
             self._warned.add(kind)
             logger.warning(msg, *args)
 
+    def _count(self, counter: str, n: int = 1) -> None:
+        """Bump a stats counter; under the lock, as BlockMover's reader threads read."""
+        with self._lock:
+            self._counters[counter] += n
+
     def _path(self, key: str) -> str:
         return block_path(self.base, key)
 
@@ -218,7 +223,7 @@ class DiskTier:
                 self._bytes -= size
 
     def _discard_bad(self, key: str, path: str, st: os.stat_result, reason: str) -> None:
-        self._counters["corrupt"] += 1
+        self._count("corrupt")
         self._forget(key)
         self._warn_once("corrupt", "kvbackend disk tier: dropping bad block file %s: %s",
                         path, reason)
@@ -244,7 +249,7 @@ class DiskTier:
         view = as_byte_view(payload)
         size = HEADER_LEN + view.nbytes
         if self.mode != "rw" or time.monotonic() < self._backoff_until or size > self.max_bytes:
-            self._counters["rejected"] += 1
+            self._count("rejected")
             return False
         path = self._path(key)
         try:
@@ -260,11 +265,11 @@ class DiskTier:
             header = encode_header(self.identity_digest, key, num_tokens, view)
             write_block_atomic(path, header, view, durable=self.durable)
         except OSError as e:
-            self._counters["put_failures"] += 1
+            self._count("put_failures")
             self._write_failed(e, size)
             return False
         self._learn(key, size)
-        self._counters["puts"] += 1
+        self._count("puts")
         return True
 
     def _write_failed(self, e: OSError, size: int) -> None:
@@ -310,7 +315,7 @@ class DiskTier:
         for other processes."""
         check_key(key)
         if self.mode == "disabled":
-            self._counters["misses"] += 1
+            self._count("misses")
             return None
         path = self._path(key)
         try:
@@ -320,19 +325,19 @@ class DiskTier:
                     result = reader(f, st.st_size)
                 except CorruptBlock as e:
                     self._discard_bad(key, path, st, str(e))
-                    self._counters["misses"] += 1
+                    self._count("misses")
                     return None
         except FileNotFoundError:
             self._forget(key)
-            self._counters["misses"] += 1
+            self._count("misses")
             return None
         except OSError as e:
             self._warn_once(f"read-{e.errno}", "kvbackend disk tier: reading %s failed: %s",
                             path, e)
-            self._counters["misses"] += 1
+            self._count("misses")
             return None
         if result is None:
-            self._counters["misses"] += 1
+            self._count("misses")
             return None
         self._learn(key, st.st_size)
         if self.mode == "rw":
@@ -340,7 +345,7 @@ class DiskTier:
                 os.utime(path)  # share recency with other processes and restarts
             except OSError:
                 pass
-        self._counters["hits"] += 1
+        self._count("hits")
         return result
 
     def contains(self, key: str) -> bool:
@@ -395,7 +400,7 @@ class DiskTier:
                 os.unlink(self._path(key))
             except OSError:
                 pass  # already gone (another process evicted it) or not removable
-        self._counters["evictions"] += len(victims)
+        self._count("evictions", len(victims))
         return len(victims)
 
     def _maybe_rescan(self) -> None:
