@@ -81,6 +81,20 @@ def test_evicting_a_branch_inside_a_block_frees_its_block_and_keeps_the_other(ca
     cache.check_invariants()
 
 
+def test_a_match_whose_partial_block_was_swapped_is_stale(cache):
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9, 9]
+    run(cache, a)
+    run(cache, b)
+    match = cache.match([1, 2, 3, 4, 5, 6, 0])  # ends inside block 1, in the shared node
+    partial = match.partial_block_id
+    run(cache, b)  # a stays the LRU leaf
+    assert cache.evict(1) == 1 and cache.match([1, 2, 3, 4, 5, 6, 0]).partial_block_id != partial
+    assert not cache.tree.is_current(match)
+    with pytest.raises(ValueError, match="stale"):
+        cache.open_sequence(match, 7)
+    cache.check_invariants()
+
+
 def test_pool_exhausted_returns_none_and_changes_nothing():
     cache = PrefixCache(num_blocks=4, block_size=BS)  # 3 usable blocks
     seq = cache.open_sequence(cache.match([1] * 8), 8)

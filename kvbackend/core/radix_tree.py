@@ -106,9 +106,12 @@ class RadixTree:
             return True
         if node.end < match.num_tokens:
             return False
-        if match.num_partial_tokens:  # the node's partial block may have been swapped
-            index = (match.num_tokens - 1) // self.block_size - node.start // self.block_size
-            if node.block_ids[index] != match.block_ids[-1]:
+        if match.num_partial_tokens:  # the partial block may have been swapped since
+            holder = node  # the node holding the last matched token (node may have split)
+            while holder.start >= match.num_tokens:
+                holder = holder.parent
+            index = (match.num_tokens - 1) // self.block_size - holder.start // self.block_size
+            if holder.block_ids[index] != match.block_ids[-1]:
                 return False
         while not node.is_root:
             if node.parent.children.get(int(node.tokens[0])) is not node:
