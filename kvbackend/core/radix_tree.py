@@ -324,7 +324,7 @@ class RadixTree:
         first block is valid for the node's positions there too (module docstring).
         So an unlocked node whose last block no child shares may use a child's copy
         instead and drop its own: after a leaf that shared the node's block is
-        evicted, this is what actually frees a block. Returns the blocks freed. O(1).
+        evicted, this is what actually frees a block. Returns the blocks freed. O(children).
         """
         if (node.is_root or node.lock_ref or not node.children
                 or node.end % self.block_size == 0):
