@@ -33,7 +33,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, *, reserve_null_block: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1 + reserve_null_block:
-            raise ValueError(f"num_blocks must be an int >= {1 + reserve_null_block}, got {num_blocks!r}")
+            raise ValueError(f"num_blocks must be an int >= {1 + reserve_null_block}, "
+                             f"got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.null_block_id = 0 if reserve_null_block else None
         first = 1 if reserve_null_block else 0

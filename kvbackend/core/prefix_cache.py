@@ -88,7 +88,8 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- queries
     def match(
-        self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None, *, max_tokens: int | None = None
+        self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None, *,
+        max_tokens: int | None = None
     ) -> PrefixMatch:
         """Longest cached prefix of ``tokens[:max_tokens]``. See ``RadixTree.match``."""
         tokens = as_token_array(tokens)
@@ -156,7 +157,8 @@ class PrefixCache:
         self._check_live(seq)
         tokens = as_token_array(tokens)
         if len(tokens) > seq.num_tokens:
-            raise ValueError(f"cannot cache {len(tokens)} tokens of a {seq.num_tokens}-token sequence")
+            raise ValueError(f"cannot cache {len(tokens)} tokens of a "
+                             f"{seq.num_tokens}-token sequence")
         result = self.tree.insert(tokens, seq.block_ids, seq.namespace, priority=priority)
         if len(tokens) >= seq.num_locked_tokens:
             self.tree.lock(result.node)
@@ -279,7 +281,8 @@ class PrefixCache:
             below = sum(subtree_locks.get(c.node_id, 0) for c in node.children.values())
             subtree_locks[node.node_id] = below + locks[node.node_id]
             if node.lock_ref != subtree_locks[node.node_id]:
-                raise RuntimeError(f"{node!r}: lock_ref != {subtree_locks[node.node_id]} locks below")
+                raise RuntimeError(f"{node!r}: lock_ref != "
+                                   f"{subtree_locks[node.node_id]} locks below")
         for b in range(self.pool.num_blocks):
             if self.pool.ref_cnt[b] != refs[b] or self.pool.hold_cnt[b] != holds[b]:
                 raise RuntimeError(

@@ -122,7 +122,8 @@ class RadixTree:
     def namespaces(self) -> list[Hashable]:
         return list(self._roots)
 
-    def iter_nodes(self, namespace: Hashable = None, *, all_namespaces: bool = False) -> Iterator[RadixNode]:
+    def iter_nodes(self, namespace: Hashable = None, *,
+                   all_namespaces: bool = False) -> Iterator[RadixNode]:
         """Every non-root node (of one namespace, or of all). O(nodes)."""
         roots = self._roots.values() if all_namespaces else [self._roots.get(namespace)]
         stack = [r for r in roots if r is not None]
@@ -145,7 +146,7 @@ class RadixTree:
         *,
         priority: int = 0,
     ) -> InsertResult:
-        """Cache ``tokens`` whose KV lives in ``block_ids`` (block i holds positions [i*bs, (i+1)*bs)).
+        """Cache ``tokens`` whose KV lives in ``block_ids`` (block i: positions [i*bs, (i+1)*bs)).
 
         Tokens already cached keep their blocks; the tree takes one reference to each
         block it adopts. ``priority`` is raised to at least ``priority`` on the whole
@@ -273,8 +274,10 @@ class RadixTree:
         bs, pos = self.block_size, node.end
         end = pos + len(tail)
         first_new = -(-pos // bs)  # first block index that starts at or after pos
-        boundary_is_own = pos % bs == 0 or (node.block_ids and node.block_ids[-1] == block_ids[pos // bs])
-        if not node.is_root and not node.children and boundary_is_own and not self._is_pinned_end(node):
+        boundary_is_own = pos % bs == 0 or (
+            node.block_ids and node.block_ids[-1] == block_ids[pos // bs])
+        if (not node.is_root and not node.children and boundary_is_own
+                and not self._is_pinned_end(node)):
             new_blocks = list(block_ids[first_new : -(-end // bs)])
             self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
             node.tokens = np.concatenate([node.tokens, tail])
@@ -300,7 +303,8 @@ class RadixTree:
             self._blocks.ref([lower_blocks[0]], hold=node.lock_ref > 0)
         upper = RadixNode(node.namespace, node.parent, node.tokens[:k].copy(), node.start,
                           upper_blocks, next(self._ids))
-        upper.lock_ref, upper.priority, upper.last_access = node.lock_ref, node.priority, node.last_access
+        upper.lock_ref, upper.priority = node.lock_ref, node.priority
+        upper.last_access = node.last_access
         node.parent.children[int(node.tokens[0])] = upper
         node.tokens = node.tokens[k:].copy()
         node.start, node.block_ids, node.parent = cut, lower_blocks, upper

@@ -12,6 +12,7 @@ from kvbackend.ops.block_copy import (
 from kvbackend.ops.block_mover import BlockMover
 
 __all__ = [
-    "BlockLayout", "BlockMover", "block_layout", "copy_blocks", "extension_available", "gather_blocks",
+    "BlockLayout", "BlockMover", "block_layout", "copy_blocks", "extension_available",
+    "gather_blocks",
     "scatter_blocks",
 ]

@@ -16,7 +16,8 @@ Request lifecycle, as the scheduler drives it (half-open ranges of one row):
 
     match_prefix          row [0, prefix_len) will read the tree's pages; prefix_len page-aligned
     lock(last_node)       the matched path cannot be evicted
-    checkpoint(up_to)     [0, protected) tree-owned | [protected, key_len) inserted now | tail private
+    checkpoint(up_to)     [0, protected) tree-owned | [protected, key_len) inserted now |
+                          the tail private;
                           key_len = up_to rounded down to a page; the request's pages that
                           duplicate the tree's are freed, the row is re-pointed at the tree's
                           pages, protected = key_len, and the lock moves to the new node

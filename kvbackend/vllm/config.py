@@ -35,7 +35,8 @@ class KVBackendConfig:
     def __post_init__(self) -> None:
         value = self.max_pinned_fraction
         if not _is_number(value) or not 0 <= value <= 1:
-            raise ValueError(f"kvbackend: max_pinned_fraction must be a number in [0, 1], got {value!r}")
+            raise ValueError(f"kvbackend: max_pinned_fraction must be a number in [0, 1], "
+                             f"got {value!r}")
         for name in ("host_cache_gb", "disk_cache_gb"):
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < float("inf"):
@@ -69,7 +70,8 @@ class KVBackendConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"kvbackend: --kv-backend-config is not valid JSON ({e}): {text!r}") from None
+            raise ValueError(f"kvbackend: --kv-backend-config is not valid JSON ({e}): "
+                             f"{text!r}") from None
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:

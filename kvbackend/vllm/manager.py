@@ -119,7 +119,7 @@ class KVBackendManager(KVCacheManager):
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """All or nothing; returns only the blocks appended to the request's table."""
-        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
         if num_encoder_tokens or delay_cache_blocks:
@@ -134,7 +134,8 @@ class KVBackendManager(KVCacheManager):
                     + num_external_computed_tokens)
         total = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         headroom = self.cache.num_allocatable_blocks - reserved_blocks
-        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if has_scheduled_reqs and waiting:
             headroom -= self.watermark_blocks
         seq = tracked.sequence
         if seq is None:

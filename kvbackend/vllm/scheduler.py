@@ -31,8 +31,9 @@ def unsupported_features(config: VllmConfig) -> list[str]:
     checks = {
         "speculative decoding": config.speculative_config is not None,
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
-        "decode/prefill context parallelism": (parallel.decode_context_parallel_size > 1
-                                               or getattr(parallel, "prefill_context_parallel_size", 1) > 1),
+        "decode/prefill context parallelism": (
+            parallel.decode_context_parallel_size > 1
+            or getattr(parallel, "prefill_context_parallel_size", 1) > 1),
         "KV connectors other than kvbackend's tier connector (--kv-transfer-config)":
             (config.kv_transfer_config is not None
              and not is_tier_connector(config.kv_transfer_config)),
