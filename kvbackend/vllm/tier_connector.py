@@ -50,7 +50,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -203,9 +203,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if self.settings.disk_cache_dir is not None:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             for rank in range(tp_size):
-                ident = CacheIdentity(**{**identity.to_dict(), "tp_rank": rank,
-                                         "extra": identity.extra})
-                self._disks.append(DiskTier(self.settings.disk_cache_dir, self.disk_bytes, ident,
+                self._disks.append(DiskTier(self.settings.disk_cache_dir, self.disk_bytes,
+                                            replace(identity, tp_rank=rank),
                                             read_only=True, rescan_interval_s=None))
         logger.info("kvbackend tiers: host %.2f GiB (%d blocks of %d bytes), disk %s; identity %s",
                     self.settings.host_cache_gb, self.host_capacity, self.block_nbytes,
