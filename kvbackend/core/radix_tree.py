@@ -29,7 +29,8 @@ Invariants (checked by ``check_invariants``):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol
 
 import numpy as np
@@ -121,6 +122,11 @@ class RadixTree:
 
     def namespaces(self) -> list[Hashable]:
         return list(self._roots)
+
+    @property
+    def roots(self) -> Mapping[Hashable, RadixNode]:
+        """A live read-only view: namespace -> its root node. O(1)."""
+        return MappingProxyType(self._roots)
 
     def iter_nodes(self, namespace: Hashable = None, *,
                    all_namespaces: bool = False) -> Iterator[RadixNode]:

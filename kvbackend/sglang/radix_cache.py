@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -164,7 +164,7 @@ class _PageRefs:
 class _Forest:
     """A virtual root above the per-namespace roots (for SGLang's DFS scheduling order)."""
 
-    def __init__(self, roots: dict) -> None:
+    def __init__(self, roots: Mapping) -> None:
         self.children = roots
 
 
@@ -200,6 +200,7 @@ class KVBackendRadixCache(BasePrefixCache):
         """Forget everything cached (SGLang clears the allocator itself on a flush)."""
         self.refs = _PageRefs(self.token_to_kv_pool_allocator, self.page_size)
         self.tree = RadixTree(self.page_size, self.refs)
+        self._forest = _Forest(self.tree.roots)
         self.root_node = _EMPTY
 
     # ---------------------------------------------------------------- queries
@@ -274,7 +275,6 @@ class KVBackendRadixCache(BasePrefixCache):
         return node_handle.node if node_handle.node is not None else self._forest
 
     def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
-        self._forest = _Forest(self.tree._roots)  # core: a public roots view would help
         return _dfs_weight_order(self._forest, node_handles, self.resolve_node_handle)
 
     # ----------------------------------------------------------------- update

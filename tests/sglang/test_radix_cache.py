@@ -170,3 +170,20 @@ def test_unsupported_policy_is_refused():
         KVBackendRadixCache(CacheInitParams(disable=False, req_to_token_pool=d.rows,
                                             token_to_kv_pool_allocator=d.allocator, page_size=1,
                                             eviction_policy="lfu"))
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_dfs_weight_order_groups_requests_by_prefix(cache_cls):
+    """SGLang's DFS-weight scheduling order over both caches: a permutation of the
+    waiting requests in which those sharing a cached prefix sit together."""
+    d = Driver(cache_cls)
+    d.finish(d.admit([1, 2, 3, 4, 5, 6]))
+    d.finish(d.admit([9, 9, 9, 9]))
+    waiting = [d.admit(t) for t in ([1, 2, 3, 4, 5, 7], [9, 9, 9, 8], [1, 2, 3, 4, 5, 8],
+                                   [9, 9, 9, 7], [4, 4])]
+    order = d.cache.dfs_weight_order([r.last_node for r in waiting])
+    assert sorted(order) == list(range(len(waiting)))
+    groups = [0 if waiting[i].origin_input_ids[0] == 1 else
+              1 if waiting[i].origin_input_ids[0] == 9 else 2 for i in order]
+    assert groups == sorted(groups, key=groups.index)  # each group contiguous
+    _check(d)
