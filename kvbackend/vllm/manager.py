@@ -41,6 +41,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer
 from kvbackend.vllm.config import KVBackendConfig
+from kvbackend.vllm.namespace import request_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class KVBackendManager(KVCacheManager):
     def _track(self, request: Request) -> _TrackedRequest:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tracked = _TrackedRequest(namespace=_namespace(request))
+            tracked = _TrackedRequest(namespace=request_namespace(request))
             tracked.priority, tracked.pin = _retention(request)
             tracked.cacheable = not request.mm_features and request.prompt_embeds is None
             self._requests[request.request_id] = tracked
@@ -280,14 +281,6 @@ class KVBackendManager(KVCacheManager):
             return self.empty_kv_cache_blocks
         objects = self._block_objects
         return KVCacheBlocks(([objects[b] for b in block_ids],))
-
-
-def _namespace(request: Request) -> Any:
-    """Requests share cache entries only with the same LoRA adapter and cache salt."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
-    if lora is None and request.cache_salt is None:
-        return None
-    return (lora, request.cache_salt)
 
 
 def _retention(request: Request) -> tuple[int, bool]:

@@ -7,7 +7,7 @@ decides everything, the WORKER one in each worker process moves bytes.
 
 Keys. Every full block of a request's tokens has a chained sha256 key
 (:mod:`kvbackend.store.block_key`) over the tokens of the whole prefix, the
-request's namespace (LoRA name, cache_salt: the manager's ``_namespace``) and a
+request's namespace (LoRA name, cache_salt: ``kvbackend.vllm.namespace``) and a
 :class:`CacheIdentity` (model weights fingerprint, kv dtype, block size, KV
 layout, TP size, format version). The disk tier additionally separates TP ranks
 by directory and header (its identity carries the rank).
@@ -46,7 +46,6 @@ future miss and a failed load is recomputed.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import OrderedDict
@@ -58,9 +57,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbackend.ops import BlockMover
-from kvbackend.store import CacheIdentity, DiskTier, HostTier, compute_block_keys, model_fingerprint
+from kvbackend.store import DiskTier, HostTier, compute_block_keys
 from kvbackend.vllm.config import KVBackendConfig
-from kvbackend.vllm.manager import _namespace
+from kvbackend.vllm.namespace import namespace_bytes, request_namespace
+from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
 
 if TYPE_CHECKING:
     import torch
@@ -87,53 +87,6 @@ class TierMetadata(KVConnectorMetadata):
     """(request id, source block id, key, to host, to disk)"""
     drops: list[str] = field(default_factory=list)
     """keys to remove from the host tier, applied before this step's saves"""
-
-
-def resolve_model_dir(vllm_config: VllmConfig) -> str | None:
-    model = vllm_config.model_config.model
-    if os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(model, revision=vllm_config.model_config.revision,
-                                 local_files_only=True)
-    except Exception:  # noqa: BLE001 - any failure means "cannot fingerprint"
-        return None
-
-
-def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                  tp_rank: int) -> CacheIdentity:
-    """What the KV bytes of a block depend on besides its tokens. Raises ValueError
-    when the model's weights cannot be fingerprinted."""
-    import vllm
-    from vllm.platforms import current_platform
-
-    model_dir = resolve_model_dir(vllm_config)
-    if model_dir is None:
-        raise ValueError(f"cannot find the files of model {vllm_config.model_config.model!r} "
-                         "to fingerprint its weights")
-    (group,) = kv_cache_config.kv_cache_groups
-    spec = group.kv_cache_spec
-    layout = "|".join([
-        f"vllm-{vllm.__version__}", current_platform.device_type, type(spec).__name__,
-        f"kv_heads={spec.num_kv_heads}", f"head_size={spec.head_size}",
-        f"layers={len(group.layer_names)}", f"page_bytes={spec.page_size_bytes}",
-    ])
-    return CacheIdentity(
-        model_fingerprint=model_fingerprint(model_dir),
-        kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}",
-        block_size=spec.block_size,
-        kv_layout=layout,
-        tp_rank=tp_rank,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        extra=(("model_dtype", str(vllm_config.model_config.dtype)),),
-    )
-
-
-def block_nbytes(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one block over all layers (one tier payload)."""
-    (group,) = kv_cache_config.kv_cache_groups
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
 
 @dataclass(slots=True)
@@ -215,8 +168,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if st is None:
             if request.mm_features or request.prompt_embeds is not None:
                 return None  # token ids do not name these prompts' KV
-            ns = _namespace(request)
-            st = _Req(request, b"" if ns is None else json.dumps(list(ns)).encode())
+            st = _Req(request, namespace_bytes(request_namespace(request)))
             self._reqs[request.request_id] = st
         return st
 
@@ -519,4 +471,4 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         return errors
 
 
-__all__ = ["KVBackendTierConnector", "TierMetadata", "block_nbytes", "tier_identity"]
+__all__ = ["KVBackendTierConnector", "TierMetadata"]
