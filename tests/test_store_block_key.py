@@ -83,3 +83,15 @@ def test_dtype_and_container_do_not_matter():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         compute_block_keys(**kwargs)
+
+
+def test_ids_above_int32_get_their_own_keys_and_leave_other_blocks_alone():
+    """SGLang's multimodal placeholders are 62-bit; an id must never wrap into another,
+    and blocks of ids below 2**31 keep the bytes every existing key was made with."""
+    small = [1, 2, 3, 4]
+    keys = compute_block_keys(small + [2**32 + 1, 2, 3, 4], BS, ID)
+    assert keys[0] == compute_block_keys(small, BS, ID)[0]
+    assert keys[1] != compute_block_keys(small + [1, 2, 3, 4], BS, ID)[1]
+    assert keys[1] != compute_block_keys(small + [2**33 + 1, 2, 3, 4], BS, ID)[1]
+    assert compute_block_keys(np.array([2**62, 5]), BS, ID, include_partial=True) != \
+        compute_block_keys(np.array([0, 5]), BS, ID, include_partial=True)

@@ -5,7 +5,10 @@
 
 with H = sha256 over a fixed, length-prefixed byte encoding (see ``chain_key``)
 and token ids as little-endian int32, so keys are the same on every host,
-process and Python run (no ``hash()``/``PYTHONHASHSEED``, anchors §1e).
+process and Python run (no ``hash()``/``PYTHONHASHSEED``, anchors §1e). A block
+holding an id of 2**31 or more (SGLang's multimodal placeholders are 62-bit) is
+hashed as little-endian int64 with the top bit of its count set, so it can
+neither collide with nor change the key of any block of smaller ids.
 
 Why chaining: a block's KV depends on *every* token before it (attention), so a
 key must identify the whole prefix, not just the block's own tokens. Because
@@ -34,6 +37,8 @@ from kvbackend.core.token_ops import as_token_array
 KEY_HEX_LEN = 64
 _DOMAIN = b"kvbackend-block-v1\0"
 _ROOT = bytes(32)
+_INT32_MAX = 2**31 - 1
+_WIDE = 1 << 31  # set in the count of a block hashed as int64
 
 
 def _raw32(hex_digest: str, what: str) -> bytes:
@@ -50,11 +55,20 @@ def _namespace_bytes(namespace: str | bytes) -> bytes:
     return struct.pack("<I", len(ns)) + ns
 
 
+def _narrowed(tokens: np.ndarray) -> np.ndarray:
+    """``tokens`` as int32 when every id fits (then ``_link`` checks no block). O(n)."""
+    return tokens.astype("<i4") if not len(tokens) or tokens.max() <= _INT32_MAX else tokens
+
+
 def _link(head: bytes, parent_raw: bytes, block_tokens: np.ndarray) -> bytes:
     h = hashlib.sha256(head)
     h.update(parent_raw)
-    h.update(struct.pack("<I", len(block_tokens)))
-    h.update(np.ascontiguousarray(block_tokens, dtype="<i4").tobytes())
+    if block_tokens.itemsize == 4 or not len(block_tokens) or block_tokens.max() <= _INT32_MAX:
+        h.update(struct.pack("<I", len(block_tokens)))
+        h.update(np.ascontiguousarray(block_tokens, dtype="<i4").tobytes())
+    else:
+        h.update(struct.pack("<I", len(block_tokens) | _WIDE))
+        h.update(np.ascontiguousarray(block_tokens, dtype="<i8").tobytes())
     return h.digest()
 
 
@@ -64,7 +78,7 @@ def chain_key(
     """Key of one block: sha256(domain | identity | len(ns) ns | parent | n | tokens).
 
     ``parent`` is the previous block's key, or ``None`` for the first block.
-    ``block_tokens`` must be int32 (see ``as_token_array``). O(len(block_tokens)).
+    ``block_tokens``: any valid token ids (see ``as_token_array``). O(len(block_tokens)).
     """
     head = _DOMAIN + _raw32(identity_digest, "identity digest") + _namespace_bytes(namespace)
     parent_raw = _ROOT if parent is None else _raw32(parent, "parent key")
@@ -90,7 +104,7 @@ def compute_block_keys(
     """
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    array = as_token_array(tokens)
+    array = _narrowed(as_token_array(tokens))
     head = _DOMAIN + _raw32(identity_digest, "identity digest") + _namespace_bytes(namespace)
     prev = _ROOT if parent is None else _raw32(parent, "parent key")
     num_full = len(array) // block_size
