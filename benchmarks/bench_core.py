@@ -11,8 +11,8 @@ What is measured
         decode   --decode single-token cache.extend calls;
         release  cache.release(seq).
     The pool holds about 4 worst-case requests (block size --block-size), so the tree
-    fills up and eviction runs in steady state. Traces (int32 arrays built once,
-    outside the timed region, numpy seed --seed):
+    fills up and eviction runs in steady state. Traces (arrays of the core's token
+    dtype, int64, built once outside the timed region, numpy seed --seed):
         shared     one common prefix (70% of the length) + a unique random suffix;
         multiturn  conversations of 8 turns; each turn extends the previous prompt by
                    length/8 tokens (a full hit on the previous turn); last turn = length;
@@ -43,6 +43,7 @@ import timeit
 import numpy as np
 
 from kvbackend.core import PrefixCache, as_token_array
+from kvbackend.core.token_ops import TOKEN_DTYPE
 
 TRACES = ("shared", "multiturn", "random")
 PHASES = ("match", "open", "cache", "decode", "release", "evict")
@@ -54,7 +55,7 @@ POOL_PROMPTS = 4
 
 def make_trace(kind: str, length: int, num_requests: int, rng: np.random.Generator) -> list:
     def rand(n: int) -> np.ndarray:
-        return rng.integers(0, VOCAB, n, dtype=np.int32)
+        return rng.integers(0, VOCAB, n).astype(TOKEN_DTYPE)
 
     if kind == "shared":
         prefix = rand(int(SHARED_FRACTION * length))

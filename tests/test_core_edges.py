@@ -186,3 +186,34 @@ def test_stats_count_queries_hits_inserts_and_evictions(cache):
     stats = cache.tree.stats["t"]
     assert (stats.queries, stats.query_tokens, stats.hit_tokens) == (1, 8, 6)
     assert (stats.inserted_tokens, stats.evicted_blocks) == (8, 2)
+
+
+def test_64_bit_token_ids_are_cached_token_exactly(cache):
+    image = 2**62 + 5  # SGLang's multimodal placeholder ids are 62-bit hashes
+    run(cache, [1, image, image + 1, 2])
+    assert cache.match([1, image, image + 1, 2, 3]).num_tokens == 4
+    assert cache.match([1, image, image + 1 + 2**32]).num_tokens == 2  # differs in high bits only
+    assert cache.match([1, image % 2**32]).num_tokens == 1
+    cache.check_invariants()
+
+
+def test_a_continuation_keeps_its_own_lower_priority(cache):
+    """SGLang's rule: new tokens carry the inserting request's priority; a priority-0
+    continuation of a priority-10 prompt goes before newer priority-0 entries."""
+    run(cache, [4] * 4, priority=10)
+    run(cache, [4] * 8, priority=0)  # the continuation: block 1
+    run(cache, [8] * 4, priority=0)  # newer
+    assert cache.evict(1) == 1
+    assert cache.match([4] * 8).num_tokens == 4 and cache.match([8] * 4).num_tokens == 4
+    assert cache.evict(1) == 1
+    assert cache.match([4] * 4).num_tokens == 4 and cache.match([8] * 4).num_tokens == 0
+
+
+def test_negative_priorities_are_kept(cache):
+    run(cache, [4] * 4, priority=-3)
+    run(cache, [8] * 4, priority=0)
+    run(cache, [9] * 4, priority=-1)
+    cache.match([4] * 4)  # most recently used, but the lowest priority
+    assert cache.evict(1) == 1 and cache.match([4] * 4).num_tokens == 0
+    assert cache.evict(1) == 1 and cache.match([9] * 4).num_tokens == 0
+    assert cache.match([8] * 4).num_tokens == 4

@@ -18,7 +18,8 @@ def cache():
         ([1.5, 2.0], "integers"),
         (["a", "b"], "integers"),
         ([[1, 2], [3, 4]], "one-dimensional"),
-        ([2**40], "lie in"),
+        ([2**63], "lie in"),
+        ([2**64], "integers"),
     ],
 )
 def test_bad_token_ids_are_refused(cache, tokens, message):

@@ -14,7 +14,10 @@ from kvbackend.core import PrefixCache
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
 NAMESPACES = st.sampled_from([None, "tenant-a", ("lora", 7)])
-TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=18)
+# Three distinct ids so prompts share prefixes often; one above 2**32 (SGLang's
+# multimodal placeholders are 62-bit hashes).
+TOKEN = st.sampled_from([0, 1, 2**62 + 7])
+TOKENS = st.lists(TOKEN, min_size=0, max_size=18)
 
 
 def prefixes(tokens):
@@ -103,7 +106,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.reconcile()
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    @rule(data=st.data(), new=st.lists(TOKEN, min_size=1, max_size=9))
     def append_tokens(self, data, new):
         entry = data.draw(st.sampled_from(self.live))
         seq, tokens = entry
@@ -116,7 +119,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.reconcile()
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), priority=st.integers(0, 2))
+    @rule(data=st.data(), priority=st.integers(-2, 2))
     def cache_tokens(self, data, priority):
         seq, tokens = data.draw(st.sampled_from(self.live))
         cut = data.draw(st.integers(0, len(tokens)))

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+import numpy as np
+
 
 class BlockPool:
     """Reference-counted block ids with an O(1) free list.
@@ -72,9 +74,9 @@ class BlockPool:
             hold_cnt[b] = 1
         return ids
 
-    def ref(self, ids: Iterable[int], *, hold: bool) -> None:
+    def ref(self, ids: Iterable[int] | np.ndarray, *, hold: bool) -> None:
         """Add one reference (and one hold if ``hold``) to each of ``ids``. O(len(ids))."""
-        for b in ids:
+        for b in _ints(ids):
             self._check_id(b)
             if self.ref_cnt[b] == 0:
                 raise ValueError(f"block {b} is free: take blocks from allocate(), not ref()")
@@ -84,14 +86,14 @@ class BlockPool:
                 self.hold_cnt[b] += 1
             self.ref_cnt[b] += 1
 
-    def unref(self, ids: Iterable[int], *, hold: bool) -> int:
+    def unref(self, ids: Iterable[int] | np.ndarray, *, hold: bool) -> int:
         """Drop one reference (and one hold if ``hold``) from each of ``ids``.
 
         Blocks whose count reaches zero go back to the free list. Returns how many
         were freed. Complexity: O(len(ids)).
         """
         freed = 0
-        for b in ids:
+        for b in _ints(ids):
             self._check_id(b)
             if self.ref_cnt[b] == 0 or (hold and self.hold_cnt[b] == 0):
                 raise ValueError(f"double release of block {b}")
@@ -107,18 +109,18 @@ class BlockPool:
                 self.num_evictable += 1
         return freed
 
-    def hold(self, ids: Iterable[int]) -> None:
+    def hold(self, ids: Iterable[int] | np.ndarray) -> None:
         """Turn one existing reference of each block into a held one. O(len(ids))."""
-        for b in ids:
+        for b in _ints(ids):
             if self.hold_cnt[b] >= self.ref_cnt[b]:
                 raise RuntimeError(f"block {b}: hold without a matching reference indicates a bug")
             if self.hold_cnt[b] == 0:
                 self.num_evictable -= 1
             self.hold_cnt[b] += 1
 
-    def unhold(self, ids: Iterable[int]) -> None:
+    def unhold(self, ids: Iterable[int] | np.ndarray) -> None:
         """Turn one held reference of each block back into a plain one. O(len(ids))."""
-        for b in ids:
+        for b in _ints(ids):
             if self.hold_cnt[b] == 0:
                 raise RuntimeError(f"block {b}: unhold of a block nobody holds indicates a bug")
             self.hold_cnt[b] -= 1
@@ -150,3 +152,9 @@ class BlockPool:
         if len(free) + evictable + held != self.num_usable_blocks:
             raise RuntimeError(f"free {len(free)} + evictable {evictable} + held {held} "
                                f"!= usable {self.num_usable_blocks}")
+
+
+def _ints(ids: Iterable[int] | np.ndarray) -> Iterable[int]:
+    """Block ids as Python ints: the tree passes int64 arrays, while the free list and
+    the engine deal in ints only. O(len(ids))."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else ids

@@ -7,16 +7,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+BLOCK_DTYPE = np.int64  # the dtype of RadixNode.block_ids
+
 
 class RadixNode:
     """One edge of the tree: a run of tokens and the KV blocks that hold them.
 
     The node covers global token positions ``[start, end)`` of every sequence that
-    passes through it, ``start == parent.end``. ``block_ids[i]`` is the block for
-    block index ``start // block_size + i``; the node lists every block that
-    overlaps ``[start, end)``, so a node that starts inside a block shares that
-    block with its parent (both hold one reference to it). ``block_ids`` is empty
-    only for a root.
+    passes through it, ``start == parent.end``. ``tokens`` and ``block_ids`` are
+    int64 arrays the node owns (never views of another node's arrays).
+    ``block_ids[i]`` is the block for block index ``start // block_size + i``; the
+    node lists every block that overlaps ``[start, end)``, so a node that starts
+    inside a block holds that block too: its parent's or a copy of it (each holder
+    takes one reference). ``block_ids`` is empty only for a root.
 
     ``lock_ref`` counts the locks (running sequences, pins) taken on this node or
     any node below it; a node with ``lock_ref > 0`` is never evicted.
@@ -42,7 +45,7 @@ class RadixNode:
         parent: RadixNode | None,
         tokens: np.ndarray,
         start: int,
-        block_ids: list[int],
+        block_ids: np.ndarray,
         node_id: int,
     ) -> None:
         self.namespace = namespace
@@ -72,11 +75,13 @@ class RadixNode:
         while node is not None:
             parts.append(node.tokens)
             node = node.parent
-        return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int32)
+        return np.concatenate(parts[::-1])
 
     def __repr__(self) -> str:
+        blocks = self.block_ids.tolist()
+        shown = blocks if len(blocks) <= 8 else [*blocks[:4], "...", *blocks[-2:]]
         return (f"RadixNode(id={self.node_id}, ns={self.namespace!r}, [{self.start}, {self.end}), "
-                f"blocks={self.block_ids}, lock_ref={self.lock_ref})")
+                f"{len(blocks)} blocks {shown}, lock_ref={self.lock_ref})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """Compressed radix tree over token ids, one root per namespace.
 
-An edge holds a run of tokens as an int32 array; children are keyed by their
-first token, so a child lookup is one dict access. Matching is token-exact: the
-tree compares token ids, never hashes.
+An edge holds a run of tokens and its block ids as int64 arrays; children are
+keyed by their first token, so a child lookup is one dict access. Matching is
+token-exact: the tree compares token ids, never hashes.
 
     root(ns) ──[t0 .. t9]── A ──[t10 .. t27]── B      block_size 8:
                              └──[u10 .. u15]── C      A holds blocks 0, 1
@@ -14,11 +14,18 @@ holds its own copy of that block, or shares its parent's: the copy is valid for
 positions [8, 10) too, because it was computed (or copied) by a sequence with the
 same tokens there. For the same reason an unlocked parent may drop its own copy
 for a child's when eviction would otherwise free nothing (``_borrow_boundary_block``).
+Reading a path (``path_block_ids``, ``match``) takes the deeper node's copy.
+
+A node's priority is that of the request that inserted its tokens, raised to the
+highest priority of any later insert through it (SGLang's rule); a continuation
+inserted with a lower priority than its prefix gets a node of its own.
 
 Invariants (checked by ``check_invariants``):
     * children[t].tokens[0] == t; child.start == parent.end; child.parent is parent
     * every non-root node has >= 1 token and exactly
-      (end - 1) // block_size - start // block_size + 1 block ids
+      (end - 1) // block_size - start // block_size + 1 block ids, both int64
+      arrays it owns (not views)
+    * priority(parent) >= priority(child) below a root
     * lock_ref(node) >= sum(lock_ref(child)); a root's lock_ref is 0
     * the evictable set holds exactly the non-root leaves with lock_ref == 0,
       each under its current key (priority, last_access, node_id)
@@ -36,18 +43,19 @@ from typing import Protocol
 import numpy as np
 from sortedcontainers import SortedList
 
-from kvbackend.core.radix_node import InsertResult, PrefixMatch, RadixNode
+from kvbackend.core.radix_node import BLOCK_DTYPE, InsertResult, PrefixMatch, RadixNode
 from kvbackend.core.stats import NamespaceStats
 from kvbackend.core.token_ops import TOKEN_DTYPE, as_token_array, common_prefix_length
 
 
 class BlockRefs(Protocol):
-    """What the tree needs from whoever owns the blocks (``BlockPool`` or an engine's allocator)."""
+    """What the tree needs from whoever owns the blocks (``BlockPool`` or an engine's
+    allocator). The tree passes block ids as int64 arrays of distinct ids."""
 
-    def ref(self, ids: Sequence[int], *, hold: bool) -> None: ...
-    def unref(self, ids: Sequence[int], *, hold: bool) -> int: ...
-    def hold(self, ids: Sequence[int]) -> None: ...
-    def unhold(self, ids: Sequence[int]) -> None: ...
+    def ref(self, ids: np.ndarray, *, hold: bool) -> None: ...
+    def unref(self, ids: np.ndarray, *, hold: bool) -> int: ...
+    def hold(self, ids: np.ndarray) -> None: ...
+    def unhold(self, ids: np.ndarray) -> None: ...
 
 
 class RadixTree:
@@ -73,32 +81,69 @@ class RadixTree:
     def match(
         self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *, touch: bool = True
     ) -> PrefixMatch:
-        """Longest cached prefix of ``tokens`` in ``namespace``.
+        """Longest cached prefix of ``tokens`` in ``namespace``, with its block ids.
 
         Does not change what is cached; with ``touch`` it marks the path as used.
         Complexity: O(depth + matched tokens + matched blocks).
         """
+        num_tokens, node = self.lookup(tokens, namespace, touch=touch)
+        block_ids = self.path_block_ids(node, num_tokens).tolist()
+        return PrefixMatch(num_tokens, tuple(block_ids), node, self.block_size)
+
+    def lookup(
+        self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None, *, touch: bool = True
+    ) -> tuple[int, RadixNode]:
+        """``match`` without the block ids: the length of the longest cached prefix and
+        the deepest node holding its last token (a root when nothing matched; a
+        detached one for an unknown namespace). Complexity: O(depth + matched tokens).
+        """
         tokens = as_token_array(tokens)
-        bs = self.block_size
         node = self._roots.get(namespace)
-        if node is None:  # an unknown namespace: answer with a detached empty root
-            return PrefixMatch(0, (), _new_root(namespace), bs)
-        blocks: list[int] = []
+        if node is None:
+            return 0, _new_root(namespace)
         pos, n = 0, len(tokens)
         while pos < n:
             child = node.children.get(int(tokens[pos]))
             if child is None:
                 break
             k = common_prefix_length(child.tokens, 0, tokens, pos)
-            first = child.start // bs
-            del blocks[first:]  # a block index shared with the parent: the deeper copy wins
-            blocks.extend(child.block_ids[: (pos + k - 1) // bs - first + 1])
             node, pos = child, pos + k
             if k < len(child.tokens):
                 break
         if touch:
             self._touch_path(node)
-        return PrefixMatch(pos, tuple(blocks), node, bs)
+        return pos, node
+
+    @staticmethod
+    def node_holding(node: RadixNode, num_tokens: int) -> RadixNode:
+        """The node on ``node``'s path that holds token ``num_tokens - 1`` (its root for 0).
+
+        ``num_tokens`` must not exceed ``node.end``. Complexity: O(depth).
+        """
+        if not 0 <= num_tokens <= node.end:
+            raise ValueError(f"{num_tokens} tokens do not lie on the path of {node!r}")
+        while not node.is_root and node.start >= num_tokens:
+            node = node.parent
+        return node
+
+    def path_block_ids(self, node: RadixNode, num_tokens: int | None = None) -> np.ndarray:
+        """Block ids of positions ``[0, num_tokens)`` (default ``node.end``) of ``node``'s
+        path, read through the node holding the last of them: where a node starts
+        inside a block, its own copy of that block wins over its parent's.
+
+        A new int64 array of ``ceil(num_tokens / block_size)`` ids.
+        Complexity: O(depth + blocks), one array copy.
+        """
+        node = self.node_holding(node, node.end if num_tokens is None else num_tokens)
+        bs, parts, below = self.block_size, [], None  # below: first block index of the node below
+        while not node.is_root:
+            first = node.start // bs
+            parts.append(node.block_ids if below is None else node.block_ids[: below - first])
+            below, node = first, node.parent
+        if not parts:
+            return np.empty(0, BLOCK_DTYPE)
+        blocks = np.concatenate(parts[::-1])
+        return blocks if num_tokens is None else blocks[: -(-num_tokens // bs)]
 
     def is_current(self, match: PrefixMatch) -> bool:
         """Whether ``match`` still describes the tree (no eviction touched it). O(depth)."""
@@ -108,9 +153,7 @@ class RadixTree:
         if node.end < match.num_tokens:
             return False
         if match.num_partial_tokens:  # the partial block may have been swapped since
-            holder = node  # the node holding the last matched token (node may have split)
-            while holder.start >= match.num_tokens:
-                holder = holder.parent
+            holder = self.node_holding(node, match.num_tokens)  # node may have split
             index = (match.num_tokens - 1) // self.block_size - holder.start // self.block_size
             if holder.block_ids[index] != match.block_ids[-1]:
                 return False
@@ -139,15 +182,11 @@ class RadixTree:
                 yield node
             stack.extend(node.children.values())
 
-    @property
-    def num_evictable_leaves(self) -> int:
-        return len(self._evictable)
-
     # --------------------------------------------------------------- mutation
     def insert(
         self,
         tokens: Sequence[int] | np.ndarray,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int] | np.ndarray,
         namespace: Hashable = None,
         *,
         priority: int = 0,
@@ -155,8 +194,9 @@ class RadixTree:
         """Cache ``tokens`` whose KV lives in ``block_ids`` (block i: positions [i*bs, (i+1)*bs)).
 
         Tokens already cached keep their blocks; the tree takes one reference to each
-        block it adopts. ``priority`` is raised to at least ``priority`` on the whole
-        path (higher survives longer). Complexity: O(depth + len(tokens) + new blocks).
+        block it adopts. The cached path's priority is raised to at least ``priority``
+        (higher survives longer); new tokens get exactly ``priority``.
+        Complexity: O(depth + len(tokens) + new blocks).
         """
         tokens = as_token_array(tokens)
         n, bs = len(tokens), self.block_size
@@ -173,12 +213,24 @@ class RadixTree:
                 child = self._split(child, k)
             node, pos = child, pos + k
         existing = pos
-        if pos < n:
-            node = self._extend(node, tokens[pos:], block_ids)
-        self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += n - existing
         self._raise_priority(node, priority)
+        if pos < n:
+            node = self._extend(node, tokens[pos:], block_ids, priority)
+        self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += n - existing
         self._touch_path(node)
         return InsertResult(existing, node)
+
+    def split_at(self, node: RadixNode, num_tokens: int) -> RadixNode:
+        """Make a node of ``node``'s path end exactly at ``num_tokens`` (splitting the
+        one that holds token ``num_tokens - 1``) and return it; caches nothing new.
+        Complexity: O(depth + tokens of the split node).
+        """
+        if num_tokens < 1:
+            raise ValueError(f"cannot split a path at {num_tokens} tokens")
+        node = self.node_holding(node, num_tokens)
+        if node.end > num_tokens:
+            node = self._split(node, num_tokens - node.start)
+        return node
 
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and its ancestors from eviction. O(depth + newly held blocks)."""
@@ -209,12 +261,10 @@ class RadixTree:
         key = (namespace, tokens.tobytes())
         if key in self._pins:
             return True
-        found = self.match(tokens, namespace)
-        if found.num_tokens != len(tokens) or not len(tokens):
+        num_tokens, node = self.lookup(tokens, namespace)
+        if num_tokens != len(tokens) or not len(tokens):
             return False
-        node = found.node
-        if node.end > len(tokens):
-            node = self._split(node, len(tokens) - node.start)
+        node = self.split_at(node, num_tokens)
         self.lock(node)
         self._pins[key] = node
         return True
@@ -224,7 +274,8 @@ class RadixTree:
         key = (namespace, as_token_array(tokens).tobytes())
         node = self._pins.pop(key, None)
         if node is None:
-            raise ValueError(f"unpin of a prefix that is not pinned ({len(key[1]) // 4} tokens, "
+            raise ValueError(f"unpin of a prefix that is not pinned "
+                             f"({len(key[1]) // np.dtype(TOKEN_DTYPE).itemsize} tokens, "
                              f"namespace {namespace!r})")
         self.unlock(node)
 
@@ -256,7 +307,7 @@ class RadixTree:
             else:
                 dropped = self._blocks.unref(leaf.block_ids[keep:], hold=False)
                 leaf.tokens = leaf.tokens[: new_end - leaf.start].copy()
-                del leaf.block_ids[keep:]
+                leaf.block_ids = leaf.block_ids[:keep].copy()
             stats.evicted_blocks += dropped
             freed += dropped
         return freed
@@ -274,25 +325,26 @@ class RadixTree:
             root = self._roots[namespace] = _new_root(namespace)
         return root
 
-    def _extend(self, node: RadixNode, tail: np.ndarray, block_ids: Sequence[int]) -> RadixNode:
-        """Add ``tail`` after ``node``: grow ``node`` in place when it is a leaf whose
-        last block is the caller's own, else hang a new leaf under it."""
+    def _extend(self, node: RadixNode, tail: np.ndarray, block_ids: Sequence[int] | np.ndarray,
+                priority: int) -> RadixNode:
+        """Add ``tail`` after ``node``: grow ``node`` in place when it is a leaf of the
+        same priority whose last block is the caller's own, else hang a new leaf under it."""
         bs, pos = self.block_size, node.end
         end = pos + len(tail)
         first_new = -(-pos // bs)  # first block index that starts at or after pos
         boundary_is_own = pos % bs == 0 or (
-            node.block_ids and node.block_ids[-1] == block_ids[pos // bs])
+            len(node.block_ids) and node.block_ids[-1] == block_ids[pos // bs])
         if (not node.is_root and not node.children and boundary_is_own
-                and not self._is_pinned_end(node)):
-            new_blocks = list(block_ids[first_new : -(-end // bs)])
+                and node.priority == priority and not self._is_pinned_end(node)):
+            new_blocks = _block_array(block_ids[first_new : -(-end // bs)])
             self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
             node.tokens = np.concatenate([node.tokens, tail])
-            node.block_ids.extend(new_blocks)
+            node.block_ids = np.concatenate([node.block_ids, new_blocks])
             return node
-        leaf_blocks = list(block_ids[pos // bs : -(-end // bs)])
+        leaf_blocks = _block_array(block_ids[pos // bs : -(-end // bs)])
         self._blocks.ref(leaf_blocks, hold=False)
         leaf = RadixNode(node.namespace, node, tail.copy(), pos, leaf_blocks, next(self._ids))
-        leaf.priority = node.priority if not node.is_root else 0
+        leaf.priority = priority
         node.children[int(tail[0])] = leaf
         self._refresh(node)
         self._refresh(leaf)
@@ -303,10 +355,10 @@ class RadixTree:
         bs = self.block_size
         cut = node.start + k
         first = node.start // bs
-        upper_blocks = node.block_ids[: (cut - 1) // bs - first + 1]
-        lower_blocks = node.block_ids[cut // bs - first :]
+        upper_blocks = node.block_ids[: (cut - 1) // bs - first + 1].copy()
+        lower_blocks = node.block_ids[cut // bs - first :].copy()
         if cut % bs:  # the block around the cut now belongs to both halves
-            self._blocks.ref([lower_blocks[0]], hold=node.lock_ref > 0)
+            self._blocks.ref(lower_blocks[:1], hold=node.lock_ref > 0)
         upper = RadixNode(node.namespace, node.parent, node.tokens[:k].copy(), node.start,
                           upper_blocks, next(self._ids))
         upper.lock_ref, upper.priority = node.lock_ref, node.priority
@@ -339,13 +391,13 @@ class RadixTree:
         if (node.is_root or node.lock_ref or not node.children
                 or node.end % self.block_size == 0):
             return 0
-        own = node.block_ids[-1]
-        firsts = [child.block_ids[0] for child in node.children.values()]
-        if own in firsts:
+        own = node.block_ids[-1:].copy()
+        firsts = [child.block_ids[:1] for child in node.children.values()]
+        if any(first[0] == own[0] for first in firsts):
             return 0
-        self._blocks.ref([firsts[0]], hold=False)
-        node.block_ids[-1] = firsts[0]
-        return self._blocks.unref([own], hold=False)
+        self._blocks.ref(firsts[0], hold=False)
+        node.block_ids[-1] = firsts[0][0]
+        return self._blocks.unref(own, hold=False)
 
     def _frees_nothing(self, leaf: RadixNode) -> bool:
         """A leaf whose only block is the one it shares with a locked parent."""
@@ -387,7 +439,7 @@ class RadixTree:
         bs = self.block_size
         expected_evictable = set()
         for ns, root in self._roots.items():
-            if root.tokens.size or root.block_ids or root.lock_ref:
+            if root.tokens.size or root.block_ids.size or root.lock_ref:
                 raise RuntimeError(f"root of {ns!r} must be empty and unlocked")
             stack = [root]
             while stack:
@@ -402,6 +454,11 @@ class RadixTree:
                         raise RuntimeError(f"{child!r} is keyed by {t} but starts otherwise")
                     if len(child.block_ids) != (child.end - 1) // bs - child.start // bs + 1:
                         raise RuntimeError(f"{child!r} holds the wrong number of blocks")
+                    for array in (child.tokens, child.block_ids):
+                        if array.dtype != np.int64 or array.base is not None:
+                            raise RuntimeError(f"{child!r}: an array that is not its own int64")
+                    if not node.is_root and child.priority > node.priority:
+                        raise RuntimeError(f"{child!r} outranks its parent {node!r}")
                     child_locks += child.lock_ref
                     stack.append(child)
                 if not node.is_root and node.lock_ref < child_locks:
@@ -423,4 +480,9 @@ class RadixTree:
 
 
 def _new_root(namespace: Hashable) -> RadixNode:
-    return RadixNode(namespace, None, np.empty(0, TOKEN_DTYPE), 0, [], 0)
+    return RadixNode(namespace, None, np.empty(0, TOKEN_DTYPE), 0, np.empty(0, BLOCK_DTYPE), 0)
+
+
+def _block_array(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A node's own int64 copy of some of the caller's block ids. O(len(block_ids))."""
+    return np.array(block_ids, dtype=BLOCK_DTYPE)

@@ -1,7 +1,10 @@
 """Hot loops over token-id arrays, compiled with numba.
 
-Token sequences are held as contiguous ``numpy.int32`` arrays everywhere in the
-core; these helpers are the only places that walk them element by element.
+Token sequences are held as contiguous ``numpy.int64`` arrays everywhere in the
+core, so any non-negative 64-bit id is a token: vocabularies fit in 32 bits, but
+SGLang's multimodal placeholders are 62-bit hashes, and SGLang hands its token
+ids over as ``array('q')`` (int64, taken without a copy). These helpers are the
+only places that walk token arrays element by element.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-TOKEN_DTYPE = np.int32
+TOKEN_DTYPE = np.int64
 _MAX_TOKEN_ID = np.iinfo(TOKEN_DTYPE).max
 
 
@@ -35,10 +38,11 @@ def common_prefix_length(a: np.ndarray, a_start: int, b: np.ndarray, b_start: in
 
 
 def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Validate token ids and return them as a contiguous int32 array.
+    """Validate token ids and return them as a contiguous int64 array.
 
-    Raises ``ValueError`` for negative, too large or non-integer ids, and for arrays
-    that are not one-dimensional. Complexity: O(n); no copy for a valid int32 array.
+    Raises ``ValueError`` for negative, too large (>= 2**63) or non-integer ids, and
+    for arrays that are not one-dimensional. Complexity: O(n); no copy for a valid
+    native int64 array.
     """
     if isinstance(tokens, np.ndarray):
         array = tokens
@@ -63,7 +67,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 class TokenBuffer:
-    """A growable int32 token array with amortized O(1) append.
+    """A growable int64 token array with amortized O(1) append.
 
     Engines hand tokens over as Python lists that grow by a few ids per step;
     ``sync`` copies only the ids that are new since the last call.
