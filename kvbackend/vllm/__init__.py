@@ -19,6 +19,7 @@ from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
 SCHEDULER_CLS = "kvbackend.vllm.scheduler.KVBackendScheduler"
 TIER_CONNECTOR = "KVBackendTierConnector"
 TIER_CONNECTOR_MODULE = "kvbackend.vllm.tier_connector"
+OPTIONS_VALIDATOR = "kvbackend.vllm.request_options:KVOptionsValidator"
 
 
 def engine_kwargs(**config: Any) -> dict[str, Any]:
@@ -26,7 +27,9 @@ def engine_kwargs(**config: Any) -> dict[str, Any]:
 
     Takes the keys of ``--kv-backend-config``; unknown keys raise ValueError.
     vLLM's own hash-based prefix caching is switched off (kvbackend replaces it)
-    and so is async scheduling, which kvbackend does not serve. With a host or
+    and so is async scheduling, which kvbackend does not serve. A no-op logits
+    processor checks each request's ``kv_priority``/``kv_pin`` in the API process
+    (bad values: HTTP 400, or an error from ``LLM.generate``). With a host or
     disk tier configured, kvbackend's tier connector is selected as vLLM's KV
     connector (``kv_transfer_config``); failed tier loads are recomputed.
     """
@@ -35,6 +38,7 @@ def engine_kwargs(**config: Any) -> dict[str, Any]:
         "scheduler_cls": SCHEDULER_CLS,
         "enable_prefix_caching": False,
         "async_scheduling": False,
+        "logits_processors": [OPTIONS_VALIDATOR],
         "additional_config": {ADDITIONAL_CONFIG_KEY: backend_config.to_dict()},
     }
     if backend_config.tiers_enabled:
@@ -58,5 +62,5 @@ def tier_transfer_config(backend_config: KVBackendConfig) -> dict[str, Any]:
     }
 
 
-__all__ = ["KVBackendConfig", "SCHEDULER_CLS", "TIER_CONNECTOR", "TIER_CONNECTOR_MODULE",
-           "engine_kwargs", "tier_transfer_config"]
+__all__ = ["KVBackendConfig", "OPTIONS_VALIDATOR", "SCHEDULER_CLS", "TIER_CONNECTOR",
+           "TIER_CONNECTOR_MODULE", "engine_kwargs", "tier_transfer_config"]

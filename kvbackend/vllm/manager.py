@@ -42,6 +42,9 @@ from vllm.v1.request import Request, RequestStatus
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.namespace import request_namespace
+from kvbackend.vllm.request_options import (
+    DEFAULT_OPTIONS, RequestOptionError, RequestOptions, parse_request_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +243,8 @@ class KVBackendManager(KVCacheManager):
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             tracked = _TrackedRequest(namespace=request_namespace(request))
-            tracked.priority, tracked.pin = _retention(request)
+            options = _retention(request)
+            tracked.priority, tracked.pin = options.priority, options.pin
             tracked.cacheable = not request.mm_features and request.prompt_embeds is None
             self._requests[request.request_id] = tracked
         return tracked
@@ -283,27 +287,12 @@ class KVBackendManager(KVCacheManager):
         return KVCacheBlocks(([objects[b] for b in block_ids],))
 
 
-def _retention(request: Request) -> tuple[int, bool]:
-    """``kv_priority`` (int) and ``kv_pin`` (bool) from ``SamplingParams.extra_args``.
-
-    The OpenAI server's ``vllm_xargs`` carries only str/int/float values (JSON
-    ``true`` arrives as ``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
-    """
+def _retention(request: Request) -> RequestOptions:
+    """The request's ``kv_priority`` / ``kv_pin``; the defaults, with a warning, when bad
+    (the API process rejects bad values; this only sees requests that bypassed it)."""
     params = request.sampling_params
-    extra = (params.extra_args if params is not None else None) or {}
-    priority, pin = extra.get("kv_priority", 0), extra.get("kv_pin", False)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        logger.warning("kvbackend: request %s: kv_priority must be an int, got %r; using 0",
-                       request.request_id, priority)
-        priority = 0
-    key = pin.lower() if isinstance(pin, str) else pin
-    flag = _PIN_VALUES.get(key) if isinstance(key, (bool, int, str)) else None
-    if flag is None:
-        logger.warning("kvbackend: request %s: kv_pin must be a bool, got %r; not pinning",
-                       request.request_id, pin)
-        flag = False
-    return priority, flag
-
-
-# True == 1 and False == 0 hash alike, so these entries also accept 0 and 1.
-_PIN_VALUES = {True: True, False: False, "true": True, "false": False}
+    try:
+        return parse_request_options(params.extra_args if params is not None else None)
+    except RequestOptionError as e:
+        logger.warning("kvbackend: request %s: %s; using the defaults", request.request_id, e)
+        return DEFAULT_OPTIONS

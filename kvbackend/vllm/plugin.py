@@ -3,9 +3,10 @@
 vLLM loads general plugins in every process before it parses arguments, but
 hands them no parser, and ``EngineArgs.from_cli_args`` copies only its own
 dataclass fields. So the plugin wraps two ``EngineArgs`` methods: one adds the
-flags, the other turns them into engine configuration (``scheduler_cls`` plus
-``additional_config``) that travels to the engine-core process. Without
-``--kv-backend`` both wrappers change nothing.
+flags, the other turns them into engine configuration (``scheduler_cls``,
+``additional_config``, the per-request option validator in ``logits_processors``)
+that travels to the engine-core process. Without ``--kv-backend`` both wrappers
+change nothing.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def apply_flags(engine_args: Any, backend: str | None, config: dict | None) -> N
     for name, value in engine_kwargs(**(config or {})).items():
         if name == "additional_config":
             value = {**(engine_args.additional_config or {}), **value}
+        elif name == "logits_processors":  # the user's --logits-processors stay
+            given = list(engine_args.logits_processors or [])
+            value = given + [v for v in value if v not in given]
         elif name == "kv_transfer_config":
             if engine_args.kv_transfer_config is not None:
                 raise ValueError("kvbackend's host/disk tiers use vLLM's KV connector slot; they "

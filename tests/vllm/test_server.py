@@ -255,3 +255,26 @@ def test_kv_pin_over_http_is_honoured(server):
     log = server.log()
     assert "kv_pin must be a bool" not in log
     assert "would exceed max_pinned_fraction" not in log
+
+
+def _post_completion(server: Server, body: dict) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a completion request, error responses included."""
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode(errors="replace"))
+
+
+@pytest.mark.parametrize("xargs,option", [({"kv_priority": "high"}, "kv_priority"),
+                                          ({"kv_pin": "maybe"}, "kv_pin"),
+                                          ({"kv_pin": 2, "kv_priority": 1}, "kv_pin")])
+def test_bad_request_options_get_http_400(server, xargs, option):
+    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 2, "vllm_xargs": xargs}
+    status, response = _post_completion(server, body)
+    assert status == 400, response
+    assert option in response["error"]["message"], response
+    status, response = _post_completion(server, {**body, "vllm_xargs": {"kv_pin": "true"}})
+    assert status == 200, response

@@ -1,0 +1,119 @@
+"""Per-request kvbackend options in ``SamplingParams.extra_args``: one parser, two users.
+
+``kv_priority`` (an int, default 0) and ``kv_pin`` (a bool, default false) steer
+eviction. They arrive offline as ``SamplingParams(extra_args={...})`` and through
+the OpenAI server as ``vllm_xargs``, whose values are only str/int/float (JSON
+``true`` arrives as ``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
+
+``parse_request_options`` is the only place that knows these rules. It is run
+twice per request:
+
+  * in the API process, by :class:`KVOptionsValidator`, a no-op logits processor
+    whose ``validate_params`` hook vLLM runs on every request at admission; a bad
+    value fails that request (HTTP 400 from the server, an exception from
+    ``LLM.generate``) with a message naming the option;
+  * in the engine core, by the manager, which must never raise into the step loop
+    and falls back to the defaults (with a warning) for a request that bypassed
+    the API process.
+
+``engine_kwargs`` (and ``--kv-backend``) register the validator through vLLM's
+``logits_processors`` engine argument (``kvbackend.vllm.OPTIONS_VALIDATOR``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from vllm.v1.sample.logits_processor import LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+    LogitsProcessor as LogitsProcessorV2,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.sampling_params import SamplingParams
+
+PRIORITY_OPTION = "kv_priority"
+PIN_OPTION = "kv_pin"
+
+# True == 1 and False == 0 hash alike, so these entries also accept 0 and 1.
+_PIN_VALUES = {True: True, False: False, "true": True, "false": False}
+
+
+class RequestOptionError(ValueError):
+    """A kvbackend per-request option has a bad value; ``option`` names it."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """A request's retention hints: evict lower ``priority`` first; never evict a pinned prompt."""
+
+    priority: int = 0
+    pin: bool = False
+
+
+DEFAULT_OPTIONS = RequestOptions()
+
+
+def parse_request_options(extra_args: Mapping[str, Any] | None) -> RequestOptions:
+    """The kvbackend options in ``extra_args`` (other keys are left alone). O(1).
+
+    Raises :class:`RequestOptionError` (a ``ValueError``) naming the first bad option.
+    """
+    if not extra_args:
+        return DEFAULT_OPTIONS
+    priority = extra_args.get(PRIORITY_OPTION, 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestOptionError(PRIORITY_OPTION, f"{PRIORITY_OPTION} must be an integer, "
+                                                  f"got {priority!r}")
+    pin = extra_args.get(PIN_OPTION, False)
+    key = pin.lower() if isinstance(pin, str) else pin
+    flag = _PIN_VALUES.get(key) if isinstance(key, (bool, int, str)) else None
+    if flag is None:
+        raise RequestOptionError(PIN_OPTION, f"{PIN_OPTION} must be a boolean (true/false, "
+                                             f"1/0), got {pin!r}")
+    return RequestOptions(priority=priority, pin=flag)
+
+
+class KVOptionsValidator(LogitsProcessor, LogitsProcessorV2):
+    """Checks the kvbackend options of each request in the API process; leaves logits alone.
+
+    vLLM calls ``validate_params`` at admission (``InputProcessor``) and turns its
+    ``ValueError`` into a validation error: HTTP 400 from the OpenAI server. Both
+    logits-processor interfaces are implemented (model runner V1, used by the CPU
+    build, and V2), so the same class serves either runner. Per step it costs one
+    call that returns the logits unchanged (V1 calls it only for sampled batches).
+    """
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            parse_request_options(sampling_params.extra_args)
+        except RequestOptionError as e:
+            raise VLLMValidationError(str(e), parameter=e.option) from None
+
+    def __init__(self, vllm_config: Any, *runner_state: Any) -> None:
+        pass  # stateless: (vllm_config, device, is_pin_memory) on V1, (vllm_config, state) on V2
+
+    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: Any) -> None:
+        pass
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        return False  # V2: modifies no request's logits
+
+
+__all__ = ["DEFAULT_OPTIONS", "KVOptionsValidator", "PIN_OPTION", "PRIORITY_OPTION",
+           "RequestOptionError", "RequestOptions", "parse_request_options"]
