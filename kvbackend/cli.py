@@ -1,13 +1,16 @@
 """``kvbackend`` command line: inspect and maintain a disk-tier cache directory.
 
     kvbackend cache stats  DIR [--json]
-    kvbackend cache verify DIR [--delete] [--no-progress]   exit 1 if a file is bad
+    kvbackend cache verify DIR [--delete] [--no-progress] [--key-file FILE]   exit 1 if bad
     kvbackend cache clear  DIR [--model DIGEST_PREFIX]
 
 ``--model`` matches a prefix of the identity digest (directory name) or of the
 model fingerprint recorded in ``identity.json``. All three see only the current
-format's ``v2`` tree; ``clear`` removes only files it defines (block, temp and
-identity files), never other files, nor a ``v1`` tree of an older format.
+format's ``v2`` tree and follow no symlink in it; ``clear`` removes only files
+it defines (block, temp, bound and identity files), never other files, nor a
+``v1`` tree of an older format. ``verify`` checks keyed trees with the key from
+``--key-file`` or ``$KVBACKEND_DISK_KEY``, and skips (never deletes) those
+whose key it does not hold.
 Exit codes: 0 success, 1 bad files found (verify), 2 usage error.
 """
 
@@ -20,9 +23,12 @@ import sys
 import time
 from typing import TextIO
 
-from kvbackend.store.block_file import CorruptBlock, verify_file
-from kvbackend.store.disk_tier import IDENTITY_FILE
-from kvbackend.store.scan import IdentityDir, block_files, identity_dirs
+from kvbackend.store.block_file import CorruptBlock, KeyedBlock
+from kvbackend.store.checksum_key import KEY_ENV, key_id, load_checksum_key
+from kvbackend.store.disk_bound import is_declaration_name
+from kvbackend.store.layout import BOUNDS_DIR, IDENTITY_FILE
+from kvbackend.store.safe_fs import unlink_in
+from kvbackend.store.scan import IdentityDir, block_files, identity_dirs, verify_file
 
 
 def human_bytes(n: float) -> str:
@@ -64,7 +70,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     rows = []
     for ident in identity_dirs(args.dir):
         blocks = temps = nbytes = 0
-        for entry in block_files(ident):
+        for entry in block_files(ident.path):
             if entry.is_temp:
                 temps += 1
             else:
@@ -96,54 +102,71 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    files = [(ident, e) for ident in identity_dirs(args.dir) for e in block_files(ident)
-             if not e.is_temp]
+    try:
+        checksum_key = load_checksum_key(args.key_file)
+    except ValueError as e:
+        print(f"kvbackend: {e}", file=sys.stderr)
+        return 2
+    held = None if checksum_key is None else key_id(checksum_key)
+    files, skipped = [], 0
+    for ident in identity_dirs(args.dir):
+        entries = [e for e in block_files(ident.path) if not e.is_temp]
+        if ident.checksum_key_id is not None and ident.checksum_key_id != held:
+            skipped += len(entries)  # keyed with a key we do not hold
+            continue
+        key = checksum_key if ident.checksum_key_id is not None else None
+        files += [(ident, key, e) for e in entries]
     progress = ProgressBar(len(files), sys.stderr, enabled=not args.no_progress)
     bad: list[tuple[str, str]] = []
     checked_bytes = 0
-    for done, (ident, entry) in enumerate(files, 1):
+    for done, (ident, key, entry) in enumerate(files, 1):
         try:
-            verify_file(entry.path, ident.digest, entry.key)
+            verify_file(entry.path, ident.digest, entry.key, checksum_key=key)
         except FileNotFoundError:
             continue  # evicted meanwhile
+        except KeyedBlock:
+            skipped += 1
+            continue
         except (CorruptBlock, OSError) as e:
             bad.append((entry.path, str(e)))
             if args.delete:
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass
+                entry.remove()
         checked_bytes += entry.size
         progress.update(done, checked_bytes)
     progress.close(len(files), checked_bytes)
     for path, reason in bad:
         print(f"BAD {path}: {reason}{' (deleted)' if args.delete else ''}")
+    skip_note = (f", {skipped} skipped (keyed; no matching key in --key-file or {KEY_ENV})"
+                 if skipped else "")
     print(f"verified {len(files)} block files, {human_bytes(checked_bytes)}: "
-          f"{len(files) - len(bad)} ok, {len(bad)} bad")
+          f"{len(files) - len(bad)} ok, {len(bad)} bad{skip_note}")
     return 1 if bad else 0
 
 
 def _remove_identity(ident: IdentityDir) -> tuple[int, int]:
+    """Remove an identity directory's own files, then its directories if empty.
+    Nothing is followed (see scan); foreign files stay, and so do their directories."""
     files = nbytes = 0
     subdirs = set()
-    for entry in block_files(ident):
-        try:
-            os.unlink(entry.path)
-        except OSError:
+    for entry in block_files(ident.path):
+        if not entry.remove():
             continue
-        subdirs.add(os.path.dirname(entry.path))
+        subdirs.add(entry.directory)
         if not entry.is_temp:
             files += 1
             nbytes += entry.size
-    for path in sorted(subdirs) + [os.path.join(ident.path, IDENTITY_FILE)]:
-        try:
-            os.rmdir(path) if os.path.isdir(path) else os.unlink(path)
-        except OSError:
-            pass  # not empty (a concurrent writer, or a foreign file): leave it
+    bounds = os.path.join(ident.path, BOUNDS_DIR)
     try:
-        os.rmdir(ident.path)
+        for name in filter(is_declaration_name, os.listdir(bounds)):
+            unlink_in(bounds, name)
     except OSError:
         pass
+    unlink_in(ident.path, IDENTITY_FILE)
+    for path in [*sorted(subdirs - {ident.path}), bounds, ident.path]:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass  # not empty (a concurrent writer, or a foreign file), or a link: leave it
     return files, nbytes
 
 
@@ -178,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--delete", action="store_true", help="delete bad files")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--key-file", help=f"checksum key of keyed trees (default: ${KEY_ENV})")
     p.set_defaults(func=_cmd_verify)
     p = sub.add_parser("clear", help="delete cached blocks")
     p.add_argument("dir")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 
@@ -40,3 +43,18 @@ def write_safetensors(path, arrays: dict[str, np.ndarray]) -> None:
     head = json.dumps(header).encode()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head + b"".join(data))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, repository importable; a hang raises TimeoutExpired."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def tree_files(root, suffix: str = "") -> list[str]:
+    """Every file (symlinks not followed) under ``root`` whose name ends with ``suffix``."""
+    return sorted(os.path.join(d, n) for d, _, names in os.walk(root)
+                  for n in names if n.endswith(suffix))

@@ -3,7 +3,7 @@
 import multiprocessing as mp
 import os
 
-from kvbackend.store.block_file import verify_file
+from kvbackend.store.scan import verify_file
 from kvbackend.store.disk_tier import DiskTier
 from tests.store_helpers import key_of, make_identity, payload_for
 
@@ -47,10 +47,11 @@ def test_two_processes_same_and_different_keys(tmp_path):
     cache = str(tmp_path / "cache")
     results = _run(cache, 10**8)
     assert all(r == dict(wrong=0, failed=0, corrupt=0) for r in results), results
+    tier = DiskTier(cache, 10**8, ID)
     for path in _all_blocks(cache):
         key = os.path.basename(path)[:64]
-        assert verify_file(path, ID.digest(), key).payload == payload_for(key, SIZE)
-    tier = DiskTier(cache, 10**8, ID)
+        verify_file(path, ID.digest(), key)
+        assert tier.get(key) == payload_for(key, SIZE)
     for key in SHARED + _own(0) + _own(1):
         assert tier.get(key) == payload_for(key, SIZE), key
     assert len(tier) == 120 and tier.stats()["corrupt"] == 0
@@ -62,7 +63,9 @@ def test_two_processes_racing_evictions(tmp_path):
     results = _run(cache, 12 * (SIZE + 128))
     assert all(r["wrong"] == 0 and r["failed"] == 0 and r["corrupt"] == 0 for r in results), results
     blocks = list(_all_blocks(cache))
+    reader = DiskTier(cache, 10**8, ID, read_only=True)
     for path in blocks:
         key = os.path.basename(path)[:64]
-        assert verify_file(path, ID.digest(), key).payload == payload_for(key, SIZE)
+        verify_file(path, ID.digest(), key)
+        assert reader.get(key) == payload_for(key, SIZE)
     assert len(blocks) <= 2 * 12  # each process's view is bounded; together at most twice

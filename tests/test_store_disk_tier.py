@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 from kvbackend.store import block_file
-from kvbackend.store.block_file import HEADER_LEN, verify_file
+from kvbackend.store.block_file import HEADER_LEN
 from kvbackend.store.disk_tier import FORMAT_DIR, DiskTier
+from kvbackend.store.layout import block_path
+from kvbackend.store.safe_fs import opened_dir
+from kvbackend.store.scan import verify_file
 from kvbackend.store.tier import TierStore
 from tests.store_helpers import key_of, make_identity, payload_for
 
@@ -52,8 +55,8 @@ def test_round_trip(tier, kind):
     expected = data if kind != "strided" else np.ascontiguousarray(payload).tobytes()
     assert tier.put(key_of(0), payload, 16)
     assert tier.contains(key_of(0)) and tier.get(key_of(0)) == expected
-    record = verify_file(files_of(tier)[0], ID.digest(), key_of(0))
-    assert record.num_tokens == 16 and record.payload == expected
+    assert verify_file(files_of(tier)[0], ID.digest(), key_of(0)).num_tokens == 16
+    assert open(files_of(tier)[0], "rb").read()[HEADER_LEN:] == expected
     assert isinstance(tier, TierStore)
 
 
@@ -170,11 +173,11 @@ def test_wrong_identity_and_wrong_key_are_misses(tmp_path, tier, caplog):
     theirs = files_of(other)[0]
     mine_path = files_of(tier)[0]
     # a file of another identity placed at our path for key 0
-    target = block_file.block_path(tier.base, key_of(0))
+    target = block_path(tier.base, key_of(0))
     os.makedirs(os.path.dirname(target), exist_ok=True)
     os.link(theirs, target)
     # a valid file of ours for key 1 placed under key 2's name
-    wrong_name = block_file.block_path(tier.base, key_of(2))
+    wrong_name = block_path(tier.base, key_of(2))
     os.makedirs(os.path.dirname(wrong_name), exist_ok=True)
     os.link(mine_path, wrong_name)
     with caplog.at_level(logging.WARNING, logger="kvbackend.store"):
@@ -193,7 +196,8 @@ def test_bad_file_replaced_meanwhile_is_not_deleted(tier, tmp_path):
         st = os.fstat(f.fileno())
     os.replace(path, path + ".old")
     tier.put(key_of(0), b"good" * 10, 16)  # another process rewrites it
-    tier._discard_bad(key_of(0), path, st, "checksum mismatch (simulated)")
+    with opened_dir(os.path.dirname(path)) as fd:
+        tier._discard_bad(key_of(0), fd, st, "checksum mismatch (simulated)")
     assert os.path.exists(path) and tier.get(key_of(0)) == b"good" * 10
 
 
@@ -203,7 +207,7 @@ def test_partial_temp_file_is_never_read(tmp_path, tier):
     path = files_of(tier)[0]
     data = open(path, "rb").read()
     os.unlink(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.999.abcd.tmp")
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.999.abcd1234.tmp")
     with open(tmp, "wb") as f:
         f.write(data[: len(data) // 2])
     fresh = DiskTier(tmp_path / "cache", 10 * FILE, ID)
@@ -269,7 +273,8 @@ def test_sigkill_during_writes_never_leaves_a_bad_block(tmp_path):
     assert blocks, "the child wrote nothing before it was killed"
     for path in blocks:
         key = os.path.basename(path)[:64]
-        assert verify_file(path, ID.digest(), key).payload == payload_for(key, 256 * 1024)
+        verify_file(path, ID.digest(), key)
+        assert tier.get(key) == payload_for(key, 256 * 1024)
 
 
 # ------------------------------------------------------------------ LRU bound
@@ -293,7 +298,7 @@ def test_restart_order_comes_from_mtime(tmp_path):
         tier.put(key_of(i), payload_for(key_of(i), BLOCK), 16)
     now = time.time_ns()
     for age, i in enumerate([1, 2, 0]):  # key 1 newest ... key 0 oldest
-        path = block_file.block_path(tier.base, key_of(i))
+        path = block_path(tier.base, key_of(i))
         os.utime(path, ns=(now - age * 10**9, now - age * 10**9))
     again = DiskTier(tmp_path / "cache", 3 * FILE, ID)
     assert again.keys_lru() == [key_of(0), key_of(2), key_of(1)]
@@ -319,9 +324,12 @@ def test_vanished_file_is_a_miss(tier):
 
 
 # ------------------------------------------------------------------ environment failures
-def test_full_disk_put_returns_false_and_reads_continue(tier, monkeypatch, caplog):
-    tier.put(key_of(0), b"kept" * 10, 16)
-    tier.enospc_backoff_s = 0.0
+def test_full_disk_put_returns_false_evicts_and_retries(tmp_path, monkeypatch, caplog):
+    """(On a real full filesystem: tests/test_store_disk_faults.py.)"""
+    tier = DiskTier(tmp_path / "cache", 10 * FILE, ID, backoff_s=0.0)
+    for i in (0, 1):
+        tier.put(key_of(i), b"old" * 10, 16)
+    tier.put(key_of(9), b"kept" * 10, 16)
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -329,13 +337,14 @@ def test_full_disk_put_returns_false_and_reads_continue(tier, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="kvbackend.store"):
         with monkeypatch.context() as m:
             m.setattr(os, "write", full)
-            assert tier.put(key_of(1), b"new" * 10, 16) is False
             assert tier.put(key_of(2), b"new" * 10, 16) is False
-    assert len(warnings_of(caplog)) == 1 and "disk full" in caplog.text
-    assert not files_of(tier, ".tmp") and not tier.contains(key_of(1))
-    assert tier.get(key_of(0)) == b"kept" * 10 and tier.mode == "rw"
+            assert tier.put(key_of(3), b"new" * 10, 16) is False
+    assert len(warnings_of(caplog)) == 1 and "filesystem full" in caplog.text
+    assert not files_of(tier, ".tmp") and not tier.contains(key_of(2))
+    assert tier.keys_lru() == [key_of(9)]  # each failure made room: one LRU block
+    assert tier.get(key_of(9)) == b"kept" * 10 and tier.mode == "rw"
     assert tier.stats()["put_failures"] == 2
-    assert tier.put(key_of(1), b"new" * 10, 16)  # space is back
+    assert tier.put(key_of(2), b"new" * 10, 16)  # space is back
 
 
 def test_full_disk_backoff_skips_writes(tier, monkeypatch):
@@ -355,23 +364,27 @@ def _fail_file_creation(patch, code: int) -> None:
     """Make every ``os.open`` that would create a file fail with ``code``."""
     real_open = os.open
 
-    def failing_open(path, flags, *args):
+    def failing_open(path, flags, *args, **kwargs):
         if flags & os.O_CREAT:
             raise OSError(code, os.strerror(code), path)
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     patch.setattr(os, "open", failing_open)
 
 
-def test_read_only_filesystem_switches_to_read_only(tier, monkeypatch, caplog):
+def test_unwritable_filesystem_backs_off_and_recovers(tmp_path, monkeypatch, caplog):
+    """(A real read-only mount: tests/test_store_disk_faults.py.)"""
+    tier = DiskTier(tmp_path / "cache", 10 * FILE, ID, backoff_s=0.05, max_backoff_s=0.05)
     tier.put(key_of(0), b"kept" * 10, 16)
     with caplog.at_level(logging.WARNING, logger="kvbackend.store"):
         with monkeypatch.context() as m:
             _fail_file_creation(m, errno.EROFS)
             assert tier.put(key_of(1), b"x", 1) is False
-    assert tier.mode == "ro" and "read-only" in caplog.text
+    assert tier.mode == "rw" and "retried after" in caplog.text
     assert tier.get(key_of(0)) == b"kept" * 10
-    assert not tier.put(key_of(2), b"x", 1)  # stays read-only
+    assert not tier.put(key_of(1), b"x", 1)  # backing off
+    time.sleep(0.06)
+    assert tier.put(key_of(1), b"x", 1) and tier.evict_to(0) == 2
 
 
 def test_directory_under_a_regular_file_disables_the_tier(tmp_path, caplog):

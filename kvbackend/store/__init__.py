@@ -3,7 +3,10 @@
 * ``identity``: ``CacheIdentity`` and ``model_fingerprint`` (what the KV depends on)
 * ``block_key``: chained sha256 block keys (which prefix a block holds)
 * ``host_tier``: in-memory LRU tier; ``disk_tier``: persistent, checksummed file tier
-* ``block_file``: the on-disk block format (documented in ``disk_tier``)
+* ``block_file``: the on-disk block format (documented in ``disk_tier``); ``layout``: the
+  names in a cache directory; ``safe_fs``: the directory's trust rules and no-follow I/O;
+  ``checksum_key``: keyed checksums; ``disk_index``, ``disk_bound``, ``backoff``, ``scan``:
+  the disk tier's index, shared size bound, retry delays and directory walker
 """
 
 from kvbackend.store.block_key import chain_key, compute_block_keys

@@ -6,14 +6,16 @@ On-disk format, version 2
 Directory layout (``dir`` may be shared by several processes and identities)::
 
     <dir>/v2/<identity digest>/identity.json           CacheIdentity fields (for the CLI)
+    <dir>/v2/<identity digest>/bounds/<bytes>.<pid>.<8 hex>   a live writer's size bound
     <dir>/v2/<identity digest>/<key[:2]>/<key>.kvb     one block
-    <dir>/v2/<identity digest>/<key[:2]>/.<key>.kvb.<pid>.<rand>.tmp   a write in progress
+    <dir>/v2/<identity digest>/<key[:2]>/.<key>.kvb.<pid>.<8 hex>.tmp   a write in progress
 
 ``<identity digest>`` is ``CacheIdentity.digest()`` (model weights fingerprint,
-kv dtype, block size, layout, TP rank/size, format version), so blocks of
-different models, dtypes or TP shards can never be confused, even by path.
-The ``v2`` level keeps formats apart: a ``v1`` tree (format 1, sha256
-checksums) left next to it is never read, scanned or removed (``rm -r`` it).
+kv dtype, block size, layout, TP rank/size, format version, and the checksum
+key's id for a keyed tier), so blocks of different models, dtypes, TP shards or
+keys can never be confused, even by path. The ``v2`` level keeps formats apart:
+a ``v1`` tree (format 1, sha256 checksums) left next to it is never read,
+scanned or removed (``rm -r`` it). Exact names: :mod:`kvbackend.store.layout`.
 
 Block file = 128-byte header + payload, all integers little-endian::
 
@@ -21,13 +23,14 @@ Block file = 128-byte header + payload, all integers little-endian::
     0      8     magic b"KVBLOCK\\0"
     8      2     format version, u16 = 2
     10     2     header length, u16 = 128 (the payload starts here)
-    12     4     flags, u32 = 0 (reserved)
+    12     4     flags, u32: bit 0 = keyed checksum; other bits 0 (a reader refuses them)
     16     32    identity digest, raw sha256 bytes
     48     32    block key, raw sha256 bytes
     80     4     num_tokens, u32 (tokens in the block; < block_size for a partial block)
     84     4     reserved, u32 = 0
     88     8     payload length, u64 (= file size - 128)
-    96     32    checksum: BLAKE3(bytes 0..95 of the header + payload), unkeyed
+    96     32    checksum: BLAKE3(bytes 0..95 of the header + payload); keyed mode
+                 under the tier's 32-byte checksum key if flag bit 0 is set
     128    ...   payload (opaque KV bytes)
 
 Checksum: BLAKE3 through its official bindings (``blake3``, also a dependency
@@ -40,28 +43,49 @@ SHA-NI and AVX-512) BLAKE3 hashes 4.3 GB/s, OpenSSL's sha256 1.8 and blake2b
 the calling thread and releases the GIL; BLAKE3's own threads
 (``max_threads=AUTO``, 4.2 GB/s) gained nothing there, where two hashing
 threads, or processes, get about half the speed each. It covers the header
-fields too, so a flipped bit in num_tokens is caught.
+fields too, so a flipped bit in num_tokens is caught. Keyed mode (a MAC, same
+speed) is for directories shared across a trust boundary: a writer without the
+key cannot make a block that verifies (:mod:`kvbackend.store.checksum_key`).
 
 Guarantees
 ==========
 * Atomic writes: temp file in the same directory, fsync, ``os.replace``, fsync
-  of the directory. A crash leaves at worst a ``.tmp`` file, which is never
-  read (stale ones, older than ``stale_tmp_age_s``, are removed at scan time).
-* Verified reads: magic, version, header length, identity, key, payload length
-  and checksum; any mismatch is a miss, and the file is deleted (only if the
-  path still names the inode that was read, so a fresh rewrite by another
-  process survives). One warning per kind of problem; never raises.
+  of the directory; a directory created on first use is fsynced into its parent.
+  A crash leaves at worst a temp file, which is never read (stale ones, older
+  than ``stale_tmp_age_s``, are removed by rescans, in the identity directory
+  itself too; only names of the exact temp pattern are).
+* Verified reads: magic, version, header length, flags, identity, key, payload
+  length (at most ``block_nbytes``, checked before anything is allocated) and
+  checksum; any mismatch is a miss, and the file is deleted (only if the name
+  still holds the inode that was read, so a fresh rewrite by another process
+  survives). One warning per kind of problem; never raises.
+* Security boundary (:mod:`kvbackend.store.safe_fs`): directories 0700 and files
+  0600 whatever the umask (``shared_group``: 2770 and 0660); a root, ``v2`` or
+  identity directory owned by another user or writable by group or others
+  (group: unless ``shared_group``) is refused with ``UnsafeCacheDirectory``;
+  below the identity directory no symlink is followed and only regular files are
+  opened (a FIFO never blocks a reader), by reads, writes, rescans and eviction.
+  ``contains`` is a single ``lstat`` and may report a block that ``get`` refuses.
 * No shared index: each process keeps an in-memory LRU index (initial order
-  from file mtimes; hits ``os.utime`` the file so other processes see it) and
-  rescans the directory every ``rescan_interval_s`` seconds. The byte bound is
-  per identity and exact within one process; with several writers it is
-  approximate between rescans. A file that vanishes (another process evicted
-  it) is a miss. Lookups (``contains``) stat the file, so blocks written by
-  other processes are found.
-* Environment failures never raise: ENOSPC/EDQUOT make ``put`` return False
-  (and skip writes for ``enospc_backoff_s``); EACCES/EPERM/EROFS switch the
-  tier to read-only; a directory that cannot be created disables the tier.
-  Reads keep being served in every mode but "disabled".
+  from file mtimes; hits touch the file's mtime so other processes see them).
+  Rescans rebuild it from the directory, off the caller's path, on a background
+  thread every ``rescan_interval_s`` seconds (None: only when ``rescan`` is
+  called). A file that vanishes (another process evicted it) is a miss. A
+  ``probe_only`` tier (for a scheduler that only asks whether a block exists)
+  keeps no index at all: ``contains`` is one ``lstat``.
+* The bound: ``max_bytes`` bounds the identity directory. Several writers
+  declare theirs (:mod:`kvbackend.store.disk_bound`) and each evicts down to
+  the largest bound of a live writer, so a process opened with a smaller bound
+  never wipes what others rely on. Exact within one process; with several
+  writers it is approximate between rescans.
+* Environment failures never raise, nor make the tier read-only: a failed write
+  backs off (``backoff_s``, doubling up to ``max_backoff_s``; a full filesystem
+  for the whole tier, other errors for the one key subdirectory) and is retried
+  after; a full filesystem also evicts this tier's least recently used blocks,
+  worth the failed write, so a tier that filled the disk drains it. Only opening
+  an unwritable directory serves it read-only ("ro"); one that cannot be
+  created disables the tier ("disabled"). Reads are served in every mode but
+  "disabled".
 """
 
 from __future__ import annotations
@@ -70,26 +94,40 @@ import errno
 import json
 import logging
 import os
-import secrets
+import stat
 import threading
 import time
-from collections import OrderedDict
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
+from kvbackend.store.backoff import Backoff
 from kvbackend.store.block_file import (
-    FORMAT_VERSION, HEADER_LEN, MAX_NUM_TOKENS, SUFFIX, TMP_SUFFIX, BlockRecord, CorruptBlock,
-    as_byte_view, block_path, encode_header, read_block, read_block_into, write_block_atomic,
+    HEADER_LEN, MAX_NUM_TOKENS, BlockRecord, CorruptBlock, as_byte_view, encode_header,
+    read_block, read_block_into,
 )
+from kvbackend.store.checksum_key import check_checksum_key, key_id
+from kvbackend.store.disk_bound import BoundDeclaration
+from kvbackend.store.disk_index import DiskIndex
 from kvbackend.store.identity import CacheIdentity
+from kvbackend.store.layout import (
+    FORMAT_DIR, IDENTITY_FILE, PROBE_NAME, block_name, block_path, temp_name,
+)
+from kvbackend.store.safe_fs import (
+    DirPolicy, is_junk_error, make_dirs, open_dir, open_regular, opened_dir, write_atomic,
+)
+from kvbackend.store.scan import block_files
 from kvbackend.store.tier import Payload, check_key
 
 logger = logging.getLogger("kvbackend.store")
 
-FORMAT_DIR = f"v{FORMAT_VERSION}"
-IDENTITY_FILE = "identity.json"
+__all__ = ["FORMAT_DIR", "IDENTITY_FILE", "DiskTier"]
+
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_READONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+_WHOLE_TIER = "*"  # the backoff scope of a full filesystem
 _T = TypeVar("_T")
 
 
@@ -97,9 +135,12 @@ class DiskTier:
     """LRU-bounded, checksummed block files under ``<directory>/v2/<identity digest>``.
 
     ``mode`` is "rw", "ro" (serves reads, refuses puts) or "disabled" (misses
-    everything). Complexity: ``put``/``get``/``get_into`` O(payload) I/O plus O(1) index
-    work; ``contains`` one ``stat``; eviction O(#evicted) unlinks; a rescan
-    O(#files of this identity).
+    everything). ``block_nbytes``: the payload size of every block of this
+    identity (puts of another size raise; files announcing another are misses
+    before any allocation); without it a payload may be as large as the bound.
+    Complexity: ``put``/``get``/``get_into`` O(payload) I/O plus O(1) index work;
+    ``contains`` one ``lstat``; eviction O(#evicted) unlinks; a rescan
+    O(#files of this identity), never on the caller's thread unless called.
     """
 
     def __init__(
@@ -112,10 +153,22 @@ class DiskTier:
         durable: bool = True,
         stale_tmp_age_s: float = 3600.0,
         rescan_interval_s: float | None = 60.0,
-        enospc_backoff_s: float = 5.0,
+        probe_only: bool = False,
+        block_nbytes: int | None = None,
+        checksum_key: bytes | None = None,
+        shared_group: bool = False,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        bound_ttl_s: float = 600.0,
     ) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        if block_nbytes is not None and (not isinstance(block_nbytes, int) or block_nbytes < 1):
+            raise ValueError(f"block_nbytes must be a positive int or None, got {block_nbytes!r}")
+        if checksum_key is not None:
+            check_checksum_key(checksum_key)
+            identity = replace(identity, extra=(*identity.extra,
+                                                ("checksum_key_id", key_id(checksum_key))))
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.identity = identity
@@ -124,82 +177,106 @@ class DiskTier:
         self.durable = durable
         self.stale_tmp_age_s = stale_tmp_age_s
         self.rescan_interval_s = rescan_interval_s
-        self.enospc_backoff_s = enospc_backoff_s
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, LRU first
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self.probe_only = probe_only
+        self.block_nbytes = block_nbytes
+        self.checksum_key = checksum_key
+        self.policy = DirPolicy(shared_group)
+        self.max_payload = block_nbytes if block_nbytes is not None else max_bytes - HEADER_LEN
+        self._index = None if probe_only else DiskIndex()
+        self._backoff = Backoff(backoff_s, max_backoff_s)
+        self._lock = threading.Lock()  # counters and warnings
+        self._rescan_lock = threading.Lock()
         self._warned: set[str] = set()
-        self._backoff_until = 0.0
-        self._last_scan = 0.0
         self._counters = dict(hits=0, misses=0, puts=0, put_failures=0, rejected=0,
                               evictions=0, corrupt=0)
-        self.mode = "ro" if read_only else self._open_for_writing()
-        if self.mode != "disabled":
+        for level, allow_link in ((self.directory, True), (self.base, False),
+                                  (os.path.dirname(self.base), False)):
+            self.policy.check(os.fspath(level), allow_link=allow_link)
+        self.mode = "ro" if read_only or probe_only else self._open_for_writing()
+        self._bound = max_bytes
+        self._declaration = None
+        if self.mode == "rw":
+            self._declaration = BoundDeclaration(self.base, max_bytes, ttl_s=bound_ttl_s,
+                                                 policy=self.policy)
+        if self.mode != "disabled" and not probe_only:
             self.rescan()
+        stop = threading.Event()
+        if self.mode == "rw" and rescan_interval_s is not None:
+            threading.Thread(target=_rescan_loop, args=(weakref.ref(self), stop,
+                                                        rescan_interval_s),
+                             name="kvbackend-disk-rescan", daemon=True).start()
+        self._finalizer = weakref.finalize(self, _release, stop, self._declaration)
 
     # ----------------------------------------------------------------- set-up
     def _open_for_writing(self) -> str:
         try:
-            os.makedirs(self.base, exist_ok=True)
-            probe = os.path.join(
-                self.base, f".probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            os.unlink(probe)
+            make_dirs(self.base, self.policy, durable=self.durable)
+            for level in (os.path.dirname(self.base), self.base):
+                self.policy.tighten(level)
+            with opened_dir(self.base) as fd:
+                probe = temp_name(PROBE_NAME)
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 self.policy.file_mode, dir_fd=fd))
+                os.unlink(probe, dir_fd=fd)
             self._write_identity_file()
             return "rw"
         except OSError as e:
+            if e.errno in _FULL_ERRNOS and os.path.isdir(self.base):
+                self._write_failed(e, _WHOLE_TIER, 0)
+                return "rw"  # full now; retried after the backoff
             mode = "ro" if os.path.isdir(self.base) else "disabled"
             self._warn_once("open", "kvbackend disk tier: cannot write to %s (%s); tier is %s",
                             self.base, e, "read-only" if mode == "ro" else "disabled")
             return mode
 
     def _write_identity_file(self) -> None:
-        path = os.path.join(self.base, IDENTITY_FILE)
-        if os.path.exists(path):
-            return
-        data = json.dumps(dict(self.identity.to_dict(), digest=self.identity_digest),
-                          indent=1, sort_keys=True).encode()
-        view = memoryview(data)
-        write_block_atomic(path, b"", view, durable=self.durable)
+        """identity.json, unless present (written once per identity directory)."""
+        with opened_dir(self.base) as fd:
+            try:
+                os.lstat(IDENTITY_FILE, dir_fd=fd)
+                return
+            except FileNotFoundError:
+                pass
+            data = json.dumps(dict(self.identity.to_dict(), digest=self.identity_digest),
+                              indent=1, sort_keys=True).encode()
+            write_atomic(fd, IDENTITY_FILE, [data], mode=self.policy.file_mode,
+                         durable=self.durable)
+
+    def close(self) -> None:
+        """Stop background rescans and withdraw this writer's bound declaration (also
+        done when the tier is garbage-collected or the interpreter exits)."""
+        self._finalizer()
 
     def rescan(self) -> None:
-        """Rebuild the index from the files on disk, LRU order by mtime, and evict
-        down to ``max_bytes`` (if writable). O(#files)."""
-        found: list[tuple[int, str, int]] = []
-        now = time.time()
-        try:
-            subdirs = [e.path for e in os.scandir(self.base) if len(e.name) == 2 and e.is_dir()]
-        except OSError:
-            subdirs = []
-        for sub in subdirs:
+        """Rebuild the index from the files on disk (LRU order by mtime), remove stale
+        temp files, renew this writer's bound declaration and evict down to the
+        directory's bound (if writable). O(#files); no-op for a probe-only tier."""
+        if self._index is None or self.mode == "disabled":
+            return
+        with self._rescan_lock:
+            if self._declaration is not None:
+                self._declaration.heartbeat()
+                self._bound = self._declaration.effective()
+            found: list[tuple[int, str, int]] = []
+            stale_ns = time.time_ns() - int(self.stale_tmp_age_s * 1e9)
+            self._index.begin_rebuild()
             try:
-                entries = list(os.scandir(sub))
-            except OSError:
-                continue
-            for e in entries:
-                try:
-                    if e.name.endswith(SUFFIX) and len(e.name) == 64 + len(SUFFIX):
-                        st = e.stat()
-                        found.append((st.st_mtime_ns, e.name[:64], st.st_size))
-                    elif e.name.endswith(TMP_SUFFIX) and self.mode == "rw":
-                        if now - e.stat().st_mtime > self.stale_tmp_age_s:
-                            os.unlink(e.path)
-                except OSError:
-                    continue  # removed meanwhile by another process
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((key, size) for _, key, size in found)
-            self._bytes = sum(size for _, _, size in found)
-            self._last_scan = time.monotonic()
-        self.evict_to(self.max_bytes)  # others' writes may have pushed us over
+                for entry in block_files(self.base):
+                    if not entry.is_temp:
+                        found.append((entry.mtime_ns, entry.key, entry.size))
+                    elif self.mode == "rw" and entry.mtime_ns < stale_ns:
+                        entry.remove()
+            finally:
+                found.sort()
+                self._index.end_rebuild((key, size) for _, key, size in found)
+        self.evict_to(self._bound)  # others' writes may have pushed us over
 
     # ---------------------------------------------------------------- helpers
     def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
-        if kind in self._warned:
-            logger.debug(msg, *args)
-        else:
+        with self._lock:
+            first = kind not in self._warned
             self._warned.add(kind)
-            logger.warning(msg, *args)
+        (logger.warning if first else logger.debug)(msg, *args)
 
     def _count(self, counter: str, n: int = 1) -> None:
         """Bump a stats counter; under the lock, as BlockMover's reader threads read."""
@@ -210,29 +287,47 @@ class DiskTier:
         return block_path(self.base, key)
 
     def _learn(self, key: str, size: int) -> None:
-        """Record ``key`` (size bytes on disk) as most recently used."""
-        with self._lock:
-            old = self._index.pop(key, None)
-            self._bytes += size - (old or 0)
-            self._index[key] = size
+        if self._index is not None:
+            self._index.touch(key, size)
 
     def _forget(self, key: str) -> None:
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._bytes -= size
+        if self._index is not None:
+            self._index.drop(key)
 
-    def _discard_bad(self, key: str, path: str, st: os.stat_result, reason: str) -> None:
+    @contextmanager
+    def _subdir(self, key: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of ``key``'s subdirectory, never through a symlink; with
+        ``create`` it (and the identity directory, if cleared meanwhile) is made."""
+        path = os.path.dirname(self._path(key))
+        try:
+            fd = open_dir(path)
+        except FileNotFoundError:
+            if not create:
+                raise
+            make_dirs(path, self.policy, durable=self.durable)
+            self._write_identity_file()
+            fd = open_dir(path)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _discard_bad(self, key: str, dir_fd: int, st: os.stat_result | None,
+                     reason: str) -> None:
+        """Count, forget and (if writable) delete a bad entry: the inode ``st`` that
+        was read, or for ``st`` None whatever non-file, non-directory sits there."""
         self._count("corrupt")
         self._forget(key)
         self._warn_once("corrupt", "kvbackend disk tier: dropping bad block file %s: %s",
-                        path, reason)
+                        self._path(key), reason)
         if self.mode != "rw":
             return
         try:
-            now = os.stat(path)
-            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                os.unlink(path)
+            now = os.lstat(block_name(key), dir_fd=dir_fd)
+            if (stat.S_ISDIR(now.st_mode) or (st is None and stat.S_ISREG(now.st_mode))
+                    or (st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev))):
+                return  # a directory, or a fresh block written meanwhile: not ours to drop
+            os.unlink(block_name(key), dir_fd=dir_fd)
         except OSError:
             pass
 
@@ -240,51 +335,55 @@ class DiskTier:
     def put(self, key: str, payload: Payload, num_tokens: int) -> bool:
         """Store a block; True if it is on disk afterwards (written now or before).
 
-        False, with a warning once per cause, if the tier is not writable, the
-        disk is full, or the block alone exceeds ``max_bytes``.
+        False, with a warning once per cause, if the tier is not writable, is
+        backing off after a failed write, or the block alone exceeds ``max_bytes``.
         """
         check_key(key)
         if not 0 <= num_tokens <= MAX_NUM_TOKENS:
             raise ValueError(f"num_tokens must lie in [0, {MAX_NUM_TOKENS}], got {num_tokens}")
         view = as_byte_view(payload)
+        if self.block_nbytes is not None and view.nbytes != self.block_nbytes:
+            raise ValueError(f"a block of this tier holds {self.block_nbytes} bytes, "
+                             f"got {view.nbytes}")
         size = HEADER_LEN + view.nbytes
-        if self.mode != "rw" or time.monotonic() < self._backoff_until or size > self.max_bytes:
+        subdir = key[:2]
+        if (self.mode != "rw" or size > self.max_bytes
+                or self._backoff.blocked(_WHOLE_TIER, subdir)):
             self._count("rejected")
             return False
-        path = self._path(key)
         try:
-            st = os.stat(path)
-        except OSError:
-            st = None
-        if st is not None:
-            self._learn(key, st.st_size)
-            return True
-        self._maybe_rescan()
-        self.evict_to(self.max_bytes - size)
-        try:
-            header = encode_header(self.identity_digest, key, num_tokens, view)
-            write_block_atomic(path, header, view, durable=self.durable)
+            with self._subdir(key, create=True) as fd:
+                existing = _regular_file_size(block_name(key), fd)
+                if existing is not None:
+                    self._learn(key, existing)
+                    return True
+                self.evict_to(self._bound - size)
+                header = encode_header(self.identity_digest, key, num_tokens, view,
+                                       checksum_key=self.checksum_key)
+                write_atomic(fd, block_name(key), [header, view], mode=self.policy.file_mode,
+                             durable=self.durable)
         except OSError as e:
             self._count("put_failures")
-            self._write_failed(e, size)
+            self._write_failed(e, subdir, size)
             return False
+        self._backoff.succeeded(_WHOLE_TIER, subdir)
         self._learn(key, size)
         self._count("puts")
         return True
 
-    def _write_failed(self, e: OSError, size: int) -> None:
+    def _write_failed(self, e: OSError, subdir: str, size: int) -> None:
         if e.errno in _FULL_ERRNOS:
-            self._backoff_until = time.monotonic() + self.enospc_backoff_s
-            self._warn_once("full", "kvbackend disk tier: disk full writing a %d-byte block to "
-                            "%s (%s); puts return False (retried after %.1f s), reads continue",
-                            size, self.base, e, self.enospc_backoff_s)
-        elif e.errno in _READONLY_ERRNOS:
-            self.mode = "ro"
-            self._warn_once("readonly", "kvbackend disk tier: %s is not writable (%s); "
-                            "tier is read-only now", self.base, e)
-        else:
-            self._warn_once(f"write-{e.errno}", "kvbackend disk tier: writing a %d-byte block "
-                            "to %s failed: %s", size, self.base, e)
+            freed = self.evict_to(self.bytes_used - size) if size else 0
+            delay = self._backoff.failed(_WHOLE_TIER)
+            self._warn_once("full", "kvbackend disk tier: filesystem full writing a %d-byte "
+                            "block to %s (%s); evicted %d of this tier's blocks, writes retried "
+                            "after %.2f s (backing off up to %.0f s); reads continue",
+                            size, self.base, e, freed, delay, self._backoff.max_s)
+            return
+        delay = self._backoff.failed(subdir)
+        self._warn_once(f"write-{e.errno}", "kvbackend disk tier: writing a %d-byte block to "
+                        "%s/%s failed (%s); writes there retried after %.2f s (backing off up "
+                        "to %.0f s)", size, self.base, subdir, e, delay, self._backoff.max_s)
 
     def get(self, key: str) -> bytes | None:
         """The verified payload, or None (missing, corrupt, unreadable). Never raises
@@ -294,7 +393,15 @@ class DiskTier:
 
     def get_record(self, key: str) -> BlockRecord | None:
         """Like ``get``, with the block's ``num_tokens`` (for partial blocks)."""
-        return self._read(key, lambda f, size: read_block(f, size, self.identity_digest, key))
+        return self._read(key, self._read_record)
+
+    def _read_record(self, f: BinaryIO, size: int, key: str) -> BlockRecord:
+        record = read_block(f, size, self.identity_digest, key, checksum_key=self.checksum_key,
+                            max_payload=self.max_payload)
+        if self.block_nbytes is not None and len(record.payload) != self.block_nbytes:
+            raise CorruptBlock(f"payload of {len(record.payload)} bytes, "
+                               f"a block holds {self.block_nbytes}")
+        return record
 
     def get_into(self, key: str, out: Payload) -> int | None:
         """Like ``get``, but the verified payload lands in ``out`` (a writable,
@@ -305,61 +412,68 @@ class DiskTier:
         view = memoryview(out).cast("B")
         if view.readonly:
             raise ValueError("get_into needs a writable buffer")
-        return self._read(key, lambda f, size: read_block_into(
-            f, size, view, self.identity_digest, key))
+        return self._read(key, lambda f, size, key: read_block_into(
+            f, size, view, self.identity_digest, key, checksum_key=self.checksum_key,
+            max_payload=self.max_payload))
 
-    def _read(self, key: str, reader: Callable[[BinaryIO, int], _T | None]) -> _T | None:
-        """Open ``key``'s file and return ``reader(file, file size)``; every failure,
-        and a None from ``reader``, is a miss (a ``CorruptBlock`` also deletes the
-        file). A hit refreshes the key's recency here and, through the file's mtime,
-        for other processes."""
+    def _read(self, key: str, reader: Callable[[BinaryIO, int, str], _T | None]) -> _T | None:
+        """Open ``key``'s file (no link followed, regular files only) and return
+        ``reader(file, file size, key)``; every failure, and a None from ``reader``, is
+        a miss (a bad file is also deleted). A hit refreshes the key's recency here
+        and, through the file's mtime, for other processes."""
         check_key(key)
-        if self.mode == "disabled":
-            self._count("misses")
-            return None
-        path = self._path(key)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                try:
-                    result = reader(f, st.st_size)
-                except CorruptBlock as e:
-                    self._discard_bad(key, path, st, str(e))
-                    self._count("misses")
-                    return None
-        except FileNotFoundError:
-            self._forget(key)
-            self._count("misses")
-            return None
-        except OSError as e:
-            self._warn_once(f"read-{e.errno}", "kvbackend disk tier: reading %s failed: %s",
-                            path, e)
-            self._count("misses")
-            return None
-        if result is None:
-            self._count("misses")
-            return None
-        self._learn(key, st.st_size)
-        if self.mode == "rw":
+        result = None
+        if self.mode != "disabled":
             try:
-                os.utime(path)  # share recency with other processes and restarts
-            except OSError:
-                pass
-        self._count("hits")
+                with self._subdir(key) as dir_fd:
+                    result = self._read_in(key, dir_fd, reader)
+            except FileNotFoundError:
+                self._forget(key)
+            except OSError as e:
+                self._warn_once(f"read-{e.errno}", "kvbackend disk tier: reading %s failed: %s",
+                                self._path(key), e)
+        self._count("misses" if result is None else "hits")
+        return result
+
+    def _read_in(self, key: str, dir_fd: int,
+                 reader: Callable[[BinaryIO, int, str], _T | None]) -> _T | None:
+        try:
+            fd, st = open_regular(block_name(key), dir_fd)
+        except OSError as e:
+            if not is_junk_error(e):
+                raise
+            self._discard_bad(key, dir_fd, None, "not a regular file")
+            return None
+        with open(fd, "rb", buffering=0) as f:
+            try:
+                result = reader(f, st.st_size, key)
+            except CorruptBlock as e:
+                self._discard_bad(key, dir_fd, st, str(e))
+                return None
+        if result is not None:
+            self._learn(key, st.st_size)
+            if self.mode == "rw":
+                try:  # share recency with other processes and restarts
+                    os.utime(block_name(key), dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
+                    pass
         return result
 
     def contains(self, key: str) -> bool:
-        """Whether a block file exists (one ``stat``; ``get`` does the verification)."""
+        """Whether a block file exists (one ``lstat``; ``get`` does the verification).
+        A probe-only tier remembers nothing."""
         check_key(key)
         if self.mode == "disabled":
             return False
         try:
-            size = os.stat(self._path(key)).st_size
+            st = os.lstat(self._path(key))
         except OSError:
             self._forget(key)
             return False
-        if key not in self._index:
-            self._learn(key, size)  # written by another process
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if self._index is not None:
+            self._index.touch(key, st.st_size, only_if_absent=True)  # another process's
         return True
 
     def contains_prefix(self, keys: list[str]) -> int:
@@ -377,7 +491,8 @@ class DiskTier:
         if self.mode != "rw":
             return False
         try:
-            os.unlink(self._path(key))
+            with self._subdir(key) as fd:
+                os.unlink(block_name(key), dir_fd=fd)
             return True
         except OSError:
             return False
@@ -387,39 +502,61 @@ class DiskTier:
 
         Returns the number of entries evicted. No-op unless the tier is writable.
         """
-        if self.mode != "rw":
+        if self.mode != "rw" or self._index is None:
             return 0
-        victims: list[str] = []
-        with self._lock:
-            while self._bytes > max(0, max_bytes) and self._index:
-                key, size = self._index.popitem(last=False)
-                self._bytes -= size
-                victims.append(key)
+        victims = self._index.pop_lru(max_bytes)
         for key in victims:
             try:
-                os.unlink(self._path(key))
+                with self._subdir(key) as fd:
+                    os.unlink(block_name(key), dir_fd=fd)
             except OSError:
                 pass  # already gone (another process evicted it) or not removable
         self._count("evictions", len(victims))
         return len(victims)
 
-    def _maybe_rescan(self) -> None:
-        if (self.rescan_interval_s is not None
-                and time.monotonic() - self._last_scan > self.rescan_interval_s):
-            self.rescan()
-
     @property
     def bytes_used(self) -> int:
-        return self._bytes
+        return 0 if self._index is None else self._index.bytes
 
     def __len__(self) -> int:
-        return len(self._index)
+        return 0 if self._index is None else len(self._index)
 
     def keys_lru(self) -> list[str]:
         """Indexed keys, least recently used first. O(n)."""
-        return list(self._index)
+        return [] if self._index is None else self._index.keys_lru()
 
     def stats(self) -> dict[str, Any]:
-        return dict(self._counters, entries=len(self._index), bytes=self._bytes,
-                    max_bytes=self.max_bytes, mode=self.mode, directory=self.base,
-                    identity=self.identity_digest)
+        with self._lock:
+            counters = dict(self._counters)
+        return dict(counters, entries=len(self), bytes=self.bytes_used, max_bytes=self.max_bytes,
+                    bound=self._bound, mode=self.mode, probe_only=self.probe_only,
+                    directory=self.base, identity=self.identity_digest)
+
+
+def _regular_file_size(name: str, dir_fd: int) -> int | None:
+    """The size of the regular file ``name`` in ``dir_fd``; None if absent or not a
+    regular file (a link or FIFO there is replaced by the write that follows)."""
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _rescan_loop(tier_ref: weakref.ref, stop: threading.Event, interval_s: float) -> None:
+    """Rescan the tier every ``interval_s`` until stopped or the tier is collected."""
+    while not stop.wait(interval_s):
+        tier = tier_ref()
+        if tier is None:
+            return
+        try:
+            tier.rescan()
+        except Exception:  # noqa: BLE001 - a failed rescan must not end the rescans
+            logger.exception("kvbackend disk tier: rescan of %s failed", tier.base)
+        del tier
+
+
+def _release(stop: threading.Event, declaration: BoundDeclaration | None) -> None:
+    stop.set()
+    if declaration is not None:
+        declaration.withdraw()
