@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
+from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, TIER_KEYS, KVBackendConfig
 
 SCHEDULER_CLS = "kvbackend.vllm.scheduler.KVBackendScheduler"
 TIER_CONNECTOR = "KVBackendTierConnector"
@@ -54,11 +54,7 @@ def tier_transfer_config(backend_config: KVBackendConfig) -> dict[str, Any]:
         "kv_connector_module_path": TIER_CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "host_cache_gb": backend_config.host_cache_gb,
-            "disk_cache_dir": backend_config.disk_cache_dir,
-            "disk_cache_gb": backend_config.disk_cache_gb,
-        },
+        "kv_connector_extra_config": {k: getattr(backend_config, k) for k in TIER_KEYS},
     }
 
 

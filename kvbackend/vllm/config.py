@@ -11,7 +11,12 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvbackend.store.checksum_key import load_checksum_key
+
 ADDITIONAL_CONFIG_KEY = "kvbackend"
+# The keys the tier connector reads from ``kv_connector_extra_config``.
+TIER_KEYS = ("host_cache_gb", "disk_cache_dir", "disk_cache_gb", "disk_cache_key_file",
+             "disk_cache_shared_group")
 
 
 @dataclass(frozen=True)
@@ -24,13 +29,20 @@ class KVBackendConfig:
     ``host_cache_gb``: GiB of host memory per worker for evicted KV blocks (0: off);
     ``disk_cache_dir``: a directory for persistent, checksummed KV blocks, shared
     across restarts and processes (None: off); ``disk_cache_gb``: its size bound
-    in GiB (per model identity).
+    in GiB per model identity, split evenly across the TP ranks (> 0); with
+    several processes on one directory the largest bound of a live one applies;
+    ``disk_cache_key_file``: a 0600 file holding a 32-byte key for keyed BLAKE3
+    checksums (else ``$KVBACKEND_DISK_KEY``, else unkeyed);
+    ``disk_cache_shared_group``: share the directory within a group (2770/0660;
+    default: private to this user, 0700/0600).
     """
 
     max_pinned_fraction: float = 0.5
     host_cache_gb: float = 0.0
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
+    disk_cache_key_file: str | None = None
+    disk_cache_shared_group: bool = False
 
     def __post_init__(self) -> None:
         value = self.max_pinned_fraction
@@ -41,10 +53,30 @@ class KVBackendConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < float("inf"):
                 raise ValueError(f"kvbackend: {name} must be a finite number >= 0, got {value!r}")
-        value = self.disk_cache_dir
-        if value is not None and (not isinstance(value, str) or not value):
-            raise ValueError(f"kvbackend: disk_cache_dir must be a non-empty string (a directory), "
-                             f"got {value!r}")
+        for name in ("disk_cache_dir", "disk_cache_key_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"kvbackend: {name} must be a non-empty string (a path), "
+                                 f"got {value!r}")
+        if not isinstance(self.disk_cache_shared_group, bool):
+            raise ValueError(f"kvbackend: disk_cache_shared_group must be true or false, "
+                             f"got {self.disk_cache_shared_group!r}")
+        if self.disk_cache_dir is None:
+            if self.disk_cache_key_file is not None:
+                raise ValueError("kvbackend: disk_cache_key_file needs disk_cache_dir")
+            return
+        if self.disk_cache_gb == 0:
+            raise ValueError("kvbackend: disk_cache_gb must be > 0 with a disk_cache_dir "
+                             "(leave disk_cache_dir unset to turn the disk tier off)")
+        self.disk_checksum_key()  # a bad key file or variable is an error now, not later
+
+    def disk_checksum_key(self) -> bytes | None:
+        """The disk tier's checksum key (``disk_cache_key_file``, else
+        ``$KVBACKEND_DISK_KEY``), or None; ValueError for a bad one."""
+        try:
+            return load_checksum_key(self.disk_cache_key_file)
+        except ValueError as e:
+            raise ValueError(f"kvbackend: {e}") from None
 
     @property
     def tiers_enabled(self) -> bool:
