@@ -217,3 +217,16 @@ def test_negative_priorities_are_kept(cache):
     assert cache.evict(1) == 1 and cache.match([4] * 4).num_tokens == 0
     assert cache.evict(1) == 1 and cache.match([9] * 4).num_tokens == 0
     assert cache.match([8] * 4).num_tokens == 4
+
+
+def test_tree_pins_count_their_calls(cache):
+    run(cache, [3] * 8)
+    tree = cache.tree
+    assert tree.pin([3] * 6) and tree.pin([3] * 6)
+    tree.unpin([3] * 6)
+    assert cache.evict(16) == 0  # still pinned once: the path covers both blocks
+    tree.unpin([3] * 6)
+    with pytest.raises(ValueError, match="not pinned"):
+        tree.unpin([3] * 6)
+    assert cache.evict(16) == 2
+    cache.check_invariants()

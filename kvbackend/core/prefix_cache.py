@@ -268,8 +268,8 @@ class PrefixCache:
             refs.update(seq.block_ids)
             holds.update(seq.block_ids)
             locks[seq.node.node_id] += 1
-        for node in self.tree._pins.values():
-            locks[node.node_id] += 1
+        for node, count in self.tree.pins():
+            locks[node.node_id] += count
         for copy in self._pending_copies + self._in_flight_copies:
             refs[copy.src] += 1
             holds[copy.src] += 1

@@ -29,13 +29,18 @@ Invariants (checked by ``check_invariants``):
     * lock_ref(node) >= sum(lock_ref(child)); a root's lock_ref is 0
     * the evictable set holds exactly the non-root leaves with lock_ref == 0,
       each under its current key (priority, last_access, node_id)
-    * every pinned node is in the tree and its path spells the pinned tokens
+    * a block listed by two nodes is the last block of one and the first of its
+      child, which starts inside it (chains of such pairs); num_held_blocks is the
+      number of distinct blocks listed by locked nodes
+    * every pinned node is in the tree, locked at least once per ``pin`` call
+      still held, and its path spells the pinned tokens
     * all nodes under a root carry that root's namespace
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
@@ -74,7 +79,10 @@ class RadixTree:
         self._evictable = SortedList()  # (priority, last_access, node_id, node) of unlocked leaves
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-        self._pins: dict[tuple[Hashable, bytes], RadixNode] = {}
+        self._pins: dict[tuple[Hashable, bytes], RadixNode] = {}  # (ns, token bytes) -> node
+        self._pin_counts: Counter[tuple[Hashable, bytes]] = Counter()  # pin calls per key
+        self._pinned_ends: Counter[int] = Counter()  # node_id -> pinned prefixes ending there
+        self._num_held_blocks = 0
         self.stats: dict[Hashable, NamespaceStats] = {}
 
     # ----------------------------------------------------------------- queries
@@ -163,6 +171,15 @@ class RadixTree:
             node = node.parent
         return self._roots.get(node.namespace) is node
 
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct blocks listed by locked (or pinned) nodes. O(1), kept up to date."""
+        return self._num_held_blocks
+
+    def pins(self) -> list[tuple[RadixNode, int]]:
+        """Every pinned node with the number of ``pin`` calls it holds. O(pinned prefixes)."""
+        return [(node, self._pin_counts[key]) for key, node in self._pins.items()]
+
     def namespaces(self) -> list[Hashable]:
         return list(self._roots)
 
@@ -237,6 +254,7 @@ class RadixTree:
         while not node.is_root:
             if node.lock_ref == 0:
                 self._blocks.hold(node.block_ids)
+                self._num_held_blocks += self._held_share(node)
             node.lock_ref += 1
             self._refresh(node)
             node = node.parent
@@ -249,40 +267,53 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._blocks.unhold(node.block_ids)
+                self._num_held_blocks -= self._held_share(node)
             self._refresh(node)
             node = node.parent
 
     def pin(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None) -> bool:
-        """Keep the cached prefix ``tokens`` resident until ``unpin``; idempotent.
-
-        Returns False (and pins nothing) unless all of ``tokens`` are cached.
+        """Keep the cached prefix ``tokens`` resident until as many ``unpin`` calls as
+        ``pin`` calls. Returns False (and pins nothing) unless all of ``tokens`` are cached.
+        Complexity: O(depth + len(tokens)).
         """
         tokens = as_token_array(tokens)
         key = (namespace, tokens.tobytes())
-        if key in self._pins:
-            return True
-        num_tokens, node = self.lookup(tokens, namespace)
-        if num_tokens != len(tokens) or not len(tokens):
-            return False
-        node = self.split_at(node, num_tokens)
+        node = self._pins.get(key)
+        if node is None:
+            num_tokens, node = self.lookup(tokens, namespace)
+            if num_tokens != len(tokens) or not len(tokens):
+                return False
+            node = self.split_at(node, num_tokens)  # keeps its identity through later splits
+            self._pins[key] = node
+            self._pinned_ends[node.node_id] += 1
         self.lock(node)
-        self._pins[key] = node
+        self._pin_counts[key] += 1
         return True
 
     def unpin(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable = None) -> None:
-        """Release a ``pin``; raises ValueError if ``tokens`` were never pinned."""
+        """Undo one ``pin``; raises ValueError if ``tokens`` are not pinned. O(depth + len)."""
         key = (namespace, as_token_array(tokens).tobytes())
-        node = self._pins.pop(key, None)
+        node = self._pins.get(key)
         if node is None:
             raise ValueError(f"unpin of a prefix that is not pinned "
                              f"({len(key[1]) // np.dtype(TOKEN_DTYPE).itemsize} tokens, "
                              f"namespace {namespace!r})")
         self.unlock(node)
+        self._pin_counts[key] -= 1
+        if not self._pin_counts[key]:
+            del self._pins[key], self._pin_counts[key]
+            self._pinned_ends[node.node_id] -= 1
+            if not self._pinned_ends[node.node_id]:
+                del self._pinned_ends[node.node_id]
 
     def unpin_all(self) -> None:
-        for node in self._pins.values():
-            self.unlock(node)
+        """Drop every pin. O(pins * depth)."""
+        for key, node in self._pins.items():
+            for _ in range(self._pin_counts[key]):
+                self.unlock(node)
         self._pins.clear()
+        self._pin_counts.clear()
+        self._pinned_ends.clear()
 
     def evict(self, num_blocks: int) -> int:
         """Free at least ``num_blocks`` blocks if possible; returns how many were freed.
@@ -338,6 +369,8 @@ class RadixTree:
                 and node.priority == priority and not self._is_pinned_end(node)):
             new_blocks = _block_array(block_ids[first_new : -(-end // bs)])
             self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
+            if node.lock_ref:
+                self._num_held_blocks += len(new_blocks)
             node.tokens = np.concatenate([node.tokens, tail])
             node.block_ids = np.concatenate([node.block_ids, new_blocks])
             return node
@@ -405,7 +438,15 @@ class RadixTree:
                 and leaf.parent.lock_ref > 0 and leaf.parent.block_ids[-1] == leaf.block_ids[0])
 
     def _is_pinned_end(self, node: RadixNode) -> bool:
-        return node.lock_ref > 0 and any(p is node for p in self._pins.values())  # O(pins)
+        return node.node_id in self._pinned_ends
+
+    def _held_share(self, node: RadixNode) -> int:
+        """The blocks a locked ``node`` adds to the held ones: all it lists, less its first
+        when that is its parent's last (a locked node's parent is locked too). Splits
+        and in-place growth keep the sum of shares over locked nodes exact. O(1)."""
+        shares_first = (node.start % self.block_size != 0 and not node.parent.is_root
+                        and node.block_ids[0] == node.parent.block_ids[-1])
+        return len(node.block_ids) - shares_first
 
     def _touch_path(self, node: RadixNode) -> None:
         now = next(self._clock)
@@ -472,11 +513,35 @@ class RadixTree:
         if actual != expected_evictable or len(self._evictable) != len(actual):
             raise RuntimeError(f"evictable set {sorted(actual)} != unlocked leaves "
                                f"{sorted(expected_evictable)}")
+        self._check_block_sharing()
+        self._check_pins()
+
+    def _check_block_sharing(self) -> None:
+        listed: Counter[int] = Counter()  # block -> nodes listing it
+        chained: Counter[int] = Counter()  # block -> (parent, child) pairs sharing it
+        held: set[int] = set()
+        for node in self.iter_nodes(all_namespaces=True):
+            listed.update(node.block_ids.tolist())
+            if node.lock_ref:
+                held.update(node.block_ids.tolist())
+            if self._held_share(node) < len(node.block_ids):
+                chained[int(node.block_ids[0])] += 1
+        shared_otherwise = [b for b, n in listed.items() if n != 1 + chained[b]]
+        if shared_otherwise:
+            raise RuntimeError(f"blocks {shared_otherwise[:8]} are listed by nodes that are "
+                               "not a parent's last and its child's first block")
+        if len(held) != self._num_held_blocks:
+            raise RuntimeError(f"num_held_blocks {self._num_held_blocks} != {len(held)} "
+                               "blocks of locked nodes")
+
+    def _check_pins(self) -> None:
         for (ns, raw), node in self._pins.items():
-            if self._roots.get(ns) is None or node.lock_ref <= 0:
+            if self._roots.get(ns) is None or node.lock_ref < self._pin_counts[(ns, raw)]:
                 raise RuntimeError(f"pinned {node!r} is not locked in the tree")
             if node.path_tokens().tobytes() != raw:
                 raise RuntimeError(f"pinned {node!r} no longer spells its tokens")
+        if self._pinned_ends != Counter(node.node_id for node in self._pins.values()):
+            raise RuntimeError("the pinned-end index disagrees with the pins")
 
 
 def _new_root(namespace: Hashable) -> RadixNode:
