@@ -3,14 +3,14 @@
 Ownership. SGLang has no per-slot refcount: a KV slot belongs to exactly one of
 the allocator (free), the tree, or one request (its private tail). The tree
 works in blocks of ``page_size`` slots (block id = page id = ``slot // page_size``)
-and may reference one page from two nodes (a node that starts inside a page
-shares it with its parent), so ``_PageRefs`` counts the tree's references per
-page and owns exactly one SGLang reference for each page it counts: the page
-goes back to the allocator when the tree's last reference goes.
+and may list one page in two nodes (a node that starts inside a page shares it
+with its parent), so ``_PageRefs`` counts the tree's references per page and
+owns exactly one SGLang reference for each page it counts: the page goes back
+to the allocator when the tree's last reference goes.
 
 Accounting (SGLang's leak check: available + evictable + protected + request-owned == total):
-    evictable = page_size * #{pages the tree references, none held}
-    protected = page_size * #{pages held by a locked or pinned node}
+    protected = page_size * tree.num_held_blocks   (pages of locked or pinned nodes)
+    evictable = page_size * #{pages the tree references} - protected
 
 Request lifecycle, as the scheduler drives it (half-open ranges of one row):
 
@@ -25,18 +25,25 @@ Request lifecycle, as the scheduler drives it (half-open ranges of one row):
     evict_for_alloc(n)    the tree frees >= n tokens from the tails of unlocked leaves,
                           lowest (priority, last use) first
 
-Matching is token-exact (the tree compares token ids, never hashes) and
-page-aligned: a hit that ends inside a page is cut back to the page boundary,
-because SGLang never lets a request write into a shared page. Namespaces are
-``(extra_key, cache_salt)``: requests of different LoRA adapters or salts never
-share a node.
+Matching is token-exact (the tree compares token ids, never hashes; any int64 id,
+so multimodal placeholders too) and page-aligned: a hit that ends inside a page
+is cut back to the page boundary, because SGLang never lets a request write into
+a shared page. Namespaces are ``(extra_key, cache_salt)``: requests of different
+LoRA adapters or salts never share a node.
 
-Eviction trims leaves from their tails, so a request's output tokens go before
-its prompt without SGLang's extra split at the prompt boundary.
+Eviction order is SGLang's: a node's priority is the inserting request's (under
+``--radix-eviction-policy priority``; 0 otherwise), a finished request's prompt
+is kept at its priority + 1 and its output at its priority, and among equals the
+least recently used leaf goes first. Leaves are trimmed from their tails, so a
+request's output tokens go before its prompt.
+
+Every call below is O(depth) plus array operations over the tokens or pages it
+reads or writes; none walks pages one by one in Python.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -58,12 +65,13 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from kvbackend.core import RadixNode, RadixTree
+from kvbackend.core import RadixNode, RadixTree, as_token_array
 
 logger = logging.getLogger("kvbackend.sglang")
 
 # SGLang eviction policies the tree's (priority, last use) order implements.
 SUPPORTED_EVICTION_POLICIES = ("lru", "priority")
+PRETTY_PRINT_NODES = 32
 
 
 def cache_namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Hashable:
@@ -72,14 +80,6 @@ def cache_namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Hash
     if extra_key is None and cache_salt is None:
         return None
     return (extra_key, cache_salt)
-
-
-def _tokens(ids: Any) -> np.ndarray:
-    """SGLang token ids (``array('q')`` or a list) as an int64 array, without a copy for arrays."""
-    try:
-        return np.frombuffer(ids, dtype=np.int64) if len(ids) else np.empty(0, np.int64)
-    except (TypeError, ValueError):
-        return np.asarray(ids, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,70 +95,48 @@ _EMPTY = TreeHandle(None, 0)
 
 
 class _PageRefs:
-    """The tree's references to SGLang pages (the ``BlockRefs`` the tree calls).
+    """The tree's references to SGLang pages (the ``BlockRefs`` the tree calls), one
+    count per page id in an array, so a node's pages change hands in one vector step.
 
-    Invariants: ``0 < hold_cnt[p] <= ref_cnt[p]`` for every held page; a page is in
-    ``ref_cnt`` iff the tree holds SGLang's single reference to it.
+    The tree owns SGLang's single reference to a page while its count is positive:
+    the first reference adopts the page from the request that computed it, the last
+    hands it back to the allocator. Holds need nothing per page: the tree counts its
+    held pages itself (``RadixTree.num_held_blocks``) and never drops a locked node's.
+
+    Invariant: ``num_pages == #{p : counts[p] > 0}``, and counts[p] is the number of
+    tree nodes listing page p.
     """
 
     def __init__(self, allocator: Any, page_size: int) -> None:
         self.allocator = allocator
-        self.page_size = page_size
-        self.ref_cnt: dict[int, int] = {}
-        self.hold_cnt: dict[int, int] = {}
+        self.counts = np.zeros(allocator.size // page_size + 2, dtype=np.int32)
+        self.num_pages = 0
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.ref_cnt)
+    def ref(self, ids: np.ndarray, *, hold: bool) -> None:
+        """Take one reference to each of ``ids`` (distinct). O(len(ids)), vectorized."""
+        counts = self.counts[ids]
+        self.num_pages += int(np.count_nonzero(counts == 0))
+        self.counts[ids] = counts + 1
 
-    @property
-    def num_held_pages(self) -> int:
-        return len(self.hold_cnt)
-
-    def ref(self, ids: Sequence[int], *, hold: bool) -> None:
-        """A first reference adopts the page from the request that computed it."""
-        for p in ids:
-            self.ref_cnt[p] = self.ref_cnt.get(p, 0) + 1
-        if hold:
-            self.hold(ids)
-
-    def unref(self, ids: Sequence[int], *, hold: bool) -> int:
-        if hold:
-            self.unhold(ids)
-        freed = []
-        for p in ids:
-            count = self.ref_cnt.get(p, 0)
-            if count <= 0:
-                raise RuntimeError(f"page {p}: unref of a page the tree does not hold "
-                                   "indicates a bug")
-            if count == 1:
-                if p in self.hold_cnt:
-                    raise RuntimeError(f"page {p}: last reference dropped while held")
-                del self.ref_cnt[p]
-                freed.append(p)
-            else:
-                self.ref_cnt[p] = count - 1
-        if freed:
-            self.allocator.free_page_ids(
-                torch.tensor(freed, dtype=torch.int64, device=self.allocator.device))
+    def unref(self, ids: np.ndarray, *, hold: bool) -> int:
+        """Drop one reference to each of ``ids``; pages left without one go back to the
+        allocator. Returns how many did. O(len(ids)), vectorized."""
+        counts = self.counts[ids] - 1
+        if len(counts) and counts.min() < 0:
+            raise RuntimeError(f"unref of pages {ids[counts < 0][:8].tolist()} the tree does "
+                               "not hold indicates a bug")
+        self.counts[ids] = counts
+        freed = ids[counts == 0]
+        if len(freed):
+            self.num_pages -= len(freed)
+            self.allocator.free_page_ids(torch.from_numpy(freed).to(self.allocator.device))
         return len(freed)
 
-    def hold(self, ids: Sequence[int]) -> None:
-        for p in ids:
-            held = self.hold_cnt.get(p, 0)
-            if held >= self.ref_cnt.get(p, 0):
-                raise RuntimeError(f"page {p}: hold without a reference indicates a bug")
-            self.hold_cnt[p] = held + 1
+    def hold(self, ids: np.ndarray) -> None:
+        """Nothing to do per page (see the class docstring)."""
 
-    def unhold(self, ids: Sequence[int]) -> None:
-        for p in ids:
-            held = self.hold_cnt.get(p, 0)
-            if held <= 0:
-                raise RuntimeError(f"page {p}: unhold of a page nobody holds indicates a bug")
-            if held == 1:
-                del self.hold_cnt[p]
-            else:
-                self.hold_cnt[p] = held - 1
+    def unhold(self, ids: np.ndarray) -> None:
+        """Nothing to do per page (see the class docstring)."""
 
 
 class _Forest:
@@ -173,24 +151,32 @@ class KVBackendRadixCache(BasePrefixCache):
 
     Supports full-attention models (one KV pool), any page size, the ``lru`` and
     ``priority`` eviction policies, and ``(extra_key, cache_salt)`` namespaces;
-    not EAGLE bigram keys, SWA, Mamba or HiCache host tiers (use the HiCache L3
-    backend in ``kvbackend.sglang.hicache_storage`` for persistence).
+    not EAGLE bigram keys, SWA, Mamba, HiCache host tiers or KV cache events (use
+    the HiCache L3 backend in ``kvbackend.sglang.hicache_storage`` for persistence).
     """
 
     def __init__(self, params: CacheInitParams) -> None:
+        if params.disable:
+            raise ValueError("kvbackend's radix cache is a prefix cache: build SGLang's own "
+                             "cache for --disable-radix-cache")
         if params.is_eagle:
             raise ValueError("kvbackend's radix cache does not support EAGLE (bigram keys)")
+        if params.enable_kv_cache_events:
+            raise ValueError("kvbackend's radix cache does not publish KV cache events "
+                             "(--kv-events-config, enable_kv_cache_events): drop the option "
+                             "or --radix-cache-backend kvbackend")
         policy = (params.eviction_policy or "lru").lower()
         if policy not in SUPPORTED_EVICTION_POLICIES:
             raise ValueError(f"kvbackend's radix cache supports --radix-eviction-policy "
                              f"{' or '.join(SUPPORTED_EVICTION_POLICIES)}, got {policy!r}")
-        self.disable = params.disable
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
         self.eviction_policy = policy
         self.sliding_window_size = None
         self.device = torch.device(getattr(self.token_to_kv_pool_allocator, "device", "cpu"))
+        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
+        self._refused_tokens = False
         if params.enable_metrics:
             self.init_metrics_collector()
         self.reset()
@@ -203,44 +189,46 @@ class KVBackendRadixCache(BasePrefixCache):
         self._forest = _Forest(self.tree.roots)
         self.root_node = _EMPTY
 
+    def _tokens(self, ids: Any) -> Optional[np.ndarray]:
+        """SGLang token ids as an int64 array (``array('q')`` without a copy, other
+        containers by value); None, logged once, for ids the tree cannot hold (negative),
+        so such a request is served without caching rather than failing the step."""
+        try:
+            return as_token_array(ids)
+        except ValueError as e:
+            if not self._refused_tokens:
+                logger.warning("kvbackend radix cache: not caching requests with %s", e)
+                self._refused_tokens = True
+            return None
+
+    def _page_aligned(self, tokens: np.ndarray) -> np.ndarray:
+        return tokens[: len(tokens) // self.page_size * self.page_size]
+
     # ---------------------------------------------------------------- queries
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """Longest cached page-aligned prefix of ``params.key``; marks the path as used.
 
-        Complexity: O(depth + matched tokens); splits the node the match ends in.
+        Complexity: O(depth + matched tokens); splits the node the match ends in, so
+        a lock protects the match and nothing past it (SGLang splits on match too).
         """
         key = params.key
-        if self.disable or key.is_bigram:
+        tokens = self._tokens(key.raw_token_ids())
+        if tokens is None:
             return self._match_result(_EMPTY)
-        tokens = _tokens(key.raw_token_ids())
-        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        tokens = self._page_aligned(tokens)
         namespace = cache_namespace(key.extra_key, key.cache_salt)
-        handle = self._find(tokens, namespace)
+        num_tokens, node = self.tree.lookup(tokens, namespace)
+        num_tokens = num_tokens // self.page_size * self.page_size
+        handle = TreeHandle(self.tree.split_at(node, num_tokens), num_tokens) if num_tokens \
+            else _EMPTY
         if params.req is not None:
-            self.tree.record_query(namespace, len(tokens), handle.num_tokens)
+            self.tree.record_query(namespace, len(tokens), num_tokens)
         return self._match_result(handle)
 
     def touch_prefix(self, key) -> None:
-        if not self.disable:
-            tokens = _tokens(key.raw_token_ids())
-            self.tree.match(tokens, cache_namespace(key.extra_key, key.cache_salt))
-
-    def _find(self, tokens: np.ndarray, namespace: Hashable) -> TreeHandle:
-        """Match, cut back to a page boundary, and make a node end exactly there, so a
-        lock protects the match and nothing past it (SGLang splits on match too)."""
-        found = self.tree.match(tokens, namespace)
-        num = found.num_tokens // self.page_size * self.page_size
-        if num == 0:
-            return _EMPTY
-        node = found.node
-        while not node.parent.is_root and node.parent.end >= num:
-            node = node.parent
-        if node.end > num:
-            # The core has no public split; re-inserting a cached prefix splits at its end
-            # and takes no references (every token is cached already).
-            node = self.tree.insert(tokens[:num], found.block_ids[: num // self.page_size],
-                                    namespace).node
-        return TreeHandle(node, num)
+        tokens = self._tokens(key.raw_token_ids())
+        if tokens is not None:
+            self.tree.lookup(tokens, cache_namespace(key.extra_key, key.cache_salt))
 
     @staticmethod
     def _match_result(handle: TreeHandle) -> MatchResult:
@@ -248,28 +236,18 @@ class KVBackendRadixCache(BasePrefixCache):
                            last_host_node=handle, best_match_node=handle)
 
     def path_device_indices(self, node: TreeHandle) -> torch.Tensor:
-        """KV slot indices of the handle's tokens, int64. O(depth + tokens)."""
+        """KV slot indices of the handle's tokens, int64. O(depth + pages), vectorized."""
         if node.node is None:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        if node.node.end < node.num_tokens:
-            raise RuntimeError(f"{node!r} outlived its tokens (evicted while unlocked?)")
-        pages = torch.tensor(self._path_pages(node.node), dtype=torch.int64)
-        if self.page_size > 1:
-            pages = (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
-        return pages[: node.num_tokens].to(self.device)
+        pages = self.tree.path_block_ids(node.node, node.num_tokens)
+        return self._slots(pages).to(self.device)
 
-    def _path_pages(self, node: RadixNode) -> list[int]:
-        """Page ids of the path from the root to ``node``; where a node starts inside
-        a page, its own copy of that page wins over its parent's. O(depth + pages)."""
-        chain = []
-        while not node.is_root:
-            chain.append(node)
-            node = node.parent
-        pages: list[int] = []
-        for n in reversed(chain):
-            del pages[n.start // self.page_size:]
-            pages.extend(n.block_ids)
-        return pages
+    def _slots(self, pages: np.ndarray) -> torch.Tensor:
+        """The slots of whole pages, in order. O(slots)."""
+        pages = torch.from_numpy(pages)
+        if self.page_size == 1:
+            return pages
+        return (pages[:, None] * self.page_size + self._page_offsets).flatten()
 
     def resolve_node_handle(self, node_handle: TreeHandle) -> Any:
         return node_handle.node if node_handle.node is not None else self._forest
@@ -283,52 +261,58 @@ class KVBackendRadixCache(BasePrefixCache):
         free the request's pages the tree already had, re-point the row at the tree's
         pages, advance ``cache_protected_len`` and move the request's lock.
 
-        Complexity: O(depth + inserted tokens) plus one row write.
+        Complexity: O(depth + tokens up to ``up_to``) in array operations.
         """
-        if self.disable:
-            return
         ps = self.page_size
         kv = req.kv
         protected = kv.cache_protected_len
         key_len = up_to // ps * ps
         if key_len <= protected:
             return
-        tokens = _tokens(req.full_untruncated_fill_ids)[:key_len]
+        tokens = self._tokens(req.full_untruncated_fill_ids)
+        if tokens is None:
+            return  # the request keeps its pages; release_kv_cache frees them
+        tokens = tokens[:key_len]
         namespace = cache_namespace(req.extra_key, req.cache_salt)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        own_slots = row[:key_len].to(torch.int64)
-        own_pages = own_slots[::ps] // ps
+        own_pages = (row[:key_len:ps].to(torch.int64) // ps).cpu().numpy()
         priority = (req.priority or 0) if self.eviction_policy == "priority" else 0
-        inserted = self.tree.insert(tokens, own_pages.tolist(), namespace, priority=priority)
-        handle = self._cover(inserted.node, key_len)
-        tree_slots = self.path_device_indices(handle)
+        node = self.tree.insert(tokens, own_pages, namespace, priority=priority).node
+        if self.eviction_policy == "priority":
+            self._keep_prompt_above_output(req, tokens, own_pages, namespace, priority)
 
         # [protected, key_len): pages the tree kept from before are duplicates of ours.
-        first = protected // ps
-        dup = tree_slots[first * ps::ps] != own_slots[first * ps::ps]
-        if bool(dup.any()):
-            self.token_to_kv_pool_allocator.free_page_ids(own_pages[first:][dup.cpu()])
+        tree_pages = self.tree.path_block_ids(node, key_len)[protected // ps:]
+        own_new = own_pages[protected // ps:]
+        duplicates = own_new[tree_pages != own_new]
+        if len(duplicates):
+            self.token_to_kv_pool_allocator.free_page_ids(
+                torch.from_numpy(duplicates).to(self.device))
         self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, key_len)),
-                                     tree_slots[protected:].to(row.dtype))
+                                     self._slots(tree_pages).to(row.dtype).to(row.device))
         kv.cache_protected_len = key_len
         kv.cache_inserted_len = max(kv.cache_inserted_len, key_len)
+        handle = TreeHandle(node, key_len)  # insert's node ends at key_len, splits keep it so
         new_lock = self.lock(handle)
         self.unlock(req.lock)
         req.lock = new_lock
         req.last_node = handle
 
-    @staticmethod
-    def _cover(node: RadixNode, num_tokens: int) -> TreeHandle:
-        while not node.parent.is_root and node.parent.end >= num_tokens:
-            node = node.parent
-        return TreeHandle(node, num_tokens)
+    def _keep_prompt_above_output(self, req, tokens: np.ndarray, pages: np.ndarray,
+                                  namespace: Hashable, priority: int) -> None:
+        """SGLang's rule: a request's prompt is cached at its priority + 1, so outputs of
+        equal priority are evicted before prompts. Re-inserting the page-aligned prompt
+        splits the node there and raises the prompt's path; it adopts no page."""
+        prompt_len = len(req.origin_input_ids) // self.page_size * self.page_size
+        if 0 < prompt_len < len(tokens):
+            self.tree.insert(tokens[:prompt_len], pages, namespace, priority=priority + 1)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens (whole pages) from unlocked leaves.
 
-        Complexity: O(k log n) for k pages freed, n evictable leaves.
+        Complexity: O(k log n) for k leaves trimmed, n evictable leaves.
         """
-        if self.disable or params.num_tokens <= 0:
+        if params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
         num_pages = -(-params.num_tokens // self.page_size)
@@ -337,7 +321,8 @@ class KVBackendRadixCache(BasePrefixCache):
         return EvictResult(num_tokens_evicted=evicted)
 
     def inc_lock_ref(self, node: TreeHandle) -> IncLockRefResult:
-        if node.node is None or self.disable:
+        """O(depth)."""
+        if node.node is None:
             return IncLockRefResult(delta=0)
         before = self.evictable_size()
         self.tree.lock(node.node)
@@ -345,7 +330,8 @@ class KVBackendRadixCache(BasePrefixCache):
 
     def dec_lock_ref(self, node: TreeHandle,
                      params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
-        if node.node is None or self.disable:
+        """O(depth)."""
+        if node.node is None:
             return DecLockRefResult(delta=0)
         before = self.evictable_size()
         self.tree.unlock(node.node)
@@ -354,27 +340,26 @@ class KVBackendRadixCache(BasePrefixCache):
     # ------------------------------------------------------------------ pins
     def pin_prefix(self, token_ids: Sequence[int], *, extra_key: Optional[str] = None,
                    cache_salt: Optional[str] = None) -> bool:
-        """Keep a cached prefix resident until ``unpin_prefix``; False unless all of it is
-        cached. The pinned tokens count as protected."""
-        tokens = _tokens(token_ids)
-        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        """Keep a cached prefix resident until as many ``unpin_prefix`` calls; False unless
+        all of it (page-aligned) is cached. The pinned tokens count as protected."""
+        tokens = self._page_aligned(as_token_array(token_ids))
         return self.tree.pin(tokens, cache_namespace(extra_key, cache_salt))
 
     def unpin_prefix(self, token_ids: Sequence[int], *, extra_key: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> None:
-        tokens = _tokens(token_ids)
-        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        """Undo one ``pin_prefix``; ValueError if the prefix is not pinned."""
+        tokens = self._page_aligned(as_token_array(token_ids))
         self.tree.unpin(tokens, cache_namespace(extra_key, cache_salt))
 
     # ------------------------------------------------------------ accounting
     def supports_prefix_sharing(self) -> bool:
-        return not self.disable
+        return True
 
     def evictable_size(self) -> int:
-        return (self.refs.num_pages - self.refs.num_held_pages) * self.page_size
+        return (self.refs.num_pages - self.tree.num_held_blocks) * self.page_size
 
     def protected_size(self) -> int:
-        return self.refs.num_held_pages * self.page_size
+        return self.tree.num_held_blocks * self.page_size
 
     def full_evictable_size(self) -> int:
         return self.evictable_size()
@@ -387,24 +372,30 @@ class KVBackendRadixCache(BasePrefixCache):
         return self.refs.num_pages * self.page_size
 
     def pretty_print(self) -> None:
-        for node in sorted(self.tree.iter_nodes(all_namespaces=True), key=lambda n: n.node_id):
-            print(f"{node!r} priority={node.priority}")
+        """The tree's sizes and its oldest ``PRETTY_PRINT_NODES`` nodes: a few lines however
+        big the tree (SGLang prints it on out-of-memory paths). O(nodes)."""
+        nodes = list(self.tree.iter_nodes(all_namespaces=True))
+        print(f"kvbackend radix tree: {len(nodes)} nodes, {self.total_size()} tokens "
+              f"({self.protected_size()} protected, {self.evictable_size()} evictable)")
+        for node in heapq.nsmallest(PRETTY_PRINT_NODES, nodes, key=lambda n: n.node_id):
+            print(f"  {node!r} priority={node.priority}"[:200])
+        if len(nodes) > PRETTY_PRINT_NODES:
+            print(f"  ... {len(nodes) - PRETTY_PRINT_NODES} more nodes")
         print(f"#tokens: {self.total_size()}")
 
     def check_invariants(self) -> None:
-        """The tree's invariants, plus: the page references agree with the tree's nodes.
+        """The tree's invariants, plus: the page counts are the tree's listings.
         O(nodes + pages)."""
         self.tree.check_invariants()
-        refs: dict[int, int] = {}
-        holds: dict[int, int] = {}
+        listed = np.zeros_like(self.refs.counts)
         for node in self.tree.iter_nodes(all_namespaces=True):
-            for p in node.block_ids:
-                refs[p] = refs.get(p, 0) + 1
-                if node.lock_ref > 0:
-                    holds[p] = holds.get(p, 0) + 1
-        if refs != self.refs.ref_cnt or holds != self.refs.hold_cnt:
-            raise RuntimeError(f"page references {self.refs.ref_cnt} / holds {self.refs.hold_cnt}"
-                               f" != the tree's {refs} / {holds}")
+            listed[node.block_ids] += 1  # a node lists distinct pages
+        if not np.array_equal(listed, self.refs.counts):
+            raise RuntimeError(f"page counts differ from the tree's at pages "
+                               f"{np.flatnonzero(listed != self.refs.counts)[:8].tolist()}")
+        if self.refs.num_pages != np.count_nonzero(listed):
+            raise RuntimeError(f"num_pages {self.refs.num_pages} != "
+                               f"{np.count_nonzero(listed)} pages listed")
 
 
 __all__ = ["KVBackendRadixCache", "TreeHandle", "cache_namespace", "SUPPORTED_EVICTION_POLICIES"]

@@ -1,16 +1,21 @@
 """Scenario tests: the same scheduler call sequence on SGLang's own RadixCache (the
 behavioural reference) and on KVBackendRadixCache, with page sizes 1 and 4."""
 
+import contextlib
+import io
 import subprocess
 import sys
+from array import array
 
+import numpy as np
 import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
+from sglang.srt.managers.schedule_batch import _compute_pad_values  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from kvbackend.sglang.plugin import BACKEND_NAME, register  # noqa: E402
 from kvbackend.sglang.radix_cache import KVBackendRadixCache  # noqa: E402
@@ -187,3 +192,142 @@ def test_dfs_weight_order_groups_requests_by_prefix(cache_cls):
               1 if waiting[i].origin_input_ids[0] == 9 else 2 for i in order]
     assert groups == sorted(groups, key=groups.index)  # each group contiguous
     _check(d)
+
+
+@page_sizes
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_multimodal_placeholder_ids_are_cached(cache_cls, page_size):
+    """SGLang replaces image tokens with 62-bit placeholder ids (MM_PAD_SHIFT_VALUE + a
+    hash); a VLM request must be matched and cached like any other."""
+    image = list(_compute_pad_values(b"image-1")) * 2
+    other = list(_compute_pad_values(b"image-2")) * 2
+    assert min(image + other) > 2**40
+    d = Driver(cache_cls, page_size=page_size)
+    d.finish(d.admit([1, 2, 3, 4] + image + [5, 6, 7, 8]))
+    assert d.admit([1, 2, 3, 4] + image + [5, 6, 7, 8, 9]).prefix_len == 16
+    assert d.admit([1, 2, 3, 4] + other + [5, 6]).prefix_len == 4
+    _check(d)
+
+
+def _priority_driver(cache_cls, page_size) -> Driver:
+    return Driver(cache_cls, page_size=page_size, eviction_policy="priority")
+
+
+def _cached(d: Driver, tokens) -> int:
+    """Tokens of ``tokens`` the cache holds, asked the way the scheduler asks."""
+    return d.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)))
+                                ).device_prefix_len
+
+
+@page_sizes
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_a_continuation_is_evicted_at_its_own_priority(cache_cls, page_size):
+    """A priority-0 request continuing a priority-10 one: its new tokens carry priority 0
+    and go before a newer priority-0 entry (SGLang's RadixCache is the reference)."""
+    d = _priority_driver(cache_cls, page_size)
+    first = [1] * 8
+    d.finish(d.admit(first, priority=10))
+    d.finish(d.admit(first + [2] * 8, priority=0))
+    d.finish(d.admit([3] * 8, priority=0))  # newer
+    assert d.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 8
+    assert _cached(d, first + [2] * 8) == 8
+    assert _cached(d, [3] * 8) == 8
+    _check(d)
+
+
+@page_sizes
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_negative_priorities_are_kept(cache_cls, page_size):
+    d = _priority_driver(cache_cls, page_size)
+    d.finish(d.admit([1] * 8, priority=0))
+    d.finish(d.admit([2] * 8, priority=-3))  # newer, but lower
+    assert d.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 8
+    assert _cached(d, [1] * 8) == 8 and _cached(d, [2] * 8) == 0
+    _check(d)
+
+
+@page_sizes
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_outputs_go_before_prompts_of_the_same_priority(cache_cls, page_size):
+    """SGLang caches a finished request's prompt at priority + 1 and its output at its
+    priority: both outputs go before the older prompt."""
+    d = _priority_driver(cache_cls, page_size)
+    a, b = d.admit([1] * 8, priority=0), d.admit([2] * 8, priority=0)
+    d.decode(a, [5] * 4)
+    d.decode(b, [6] * 4)
+    d.finish(a)
+    d.finish(b)
+    evicted = d.cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted
+    assert evicted == 8
+    assert _cached(d, [1] * 8 + [5] * 4) == 8 and _cached(d, [2] * 8 + [6] * 4) == 8
+    _check(d)
+
+
+@page_sizes
+def test_pin_twice_then_unpin_twice(page_size):
+    d = Driver(KVBackendRadixCache, page_size=page_size)
+    d.finish(d.admit([7] * 10))
+    assert d.cache.pin_prefix([7] * 8) and d.cache.pin_prefix([7] * 8)
+    d.cache.unpin_prefix([7] * 8)
+    assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == _aligned(d, 10) - 8
+    d.cache.unpin_prefix([7] * 8)
+    assert d.cache.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 8
+    with pytest.raises(ValueError, match="not pinned"):
+        d.cache.unpin_prefix([7] * 8)
+    _check(d)
+
+
+@pytest.mark.parametrize("container", [lambda t: array("i", t), lambda t: np.array(t, np.int32),
+                                       lambda t: array("q", t), list],
+                         ids=["array-i", "numpy-int32", "array-q", "list"])
+def test_token_ids_are_read_by_value_whatever_the_container(container):
+    d = Driver(KVBackendRadixCache)
+    d.finish(d.admit([7, 8, 9, 10, 11]))
+    assert d.cache.pin_prefix(container([7, 8, 9, 10]))
+    assert d.cache.protected_size() == 4
+    d.cache.unpin_prefix(container([7, 8, 9, 10]))
+    _check(d)
+
+
+def test_pretty_print_is_bounded():
+    """SGLang prints the tree on out-of-memory paths: a few lines, however big the tree."""
+    d = Driver(KVBackendRadixCache, num_slots=20_000, num_rows=4, max_context_len=512)
+    for i in range(60):
+        d.finish(d.admit([i + 1] * 300))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        d.cache.pretty_print()
+    lines = out.getvalue().splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 200, lines[:3]
+    assert "60 nodes" in out.getvalue()
+
+
+def test_kv_events_are_refused_with_the_reason():
+    d = Driver(KVBackendRadixCache)
+    with pytest.raises(ValueError, match="kv-cache-events|kv_cache_events"):
+        KVBackendRadixCache(CacheInitParams(disable=False, req_to_token_pool=d.rows,
+                                            token_to_kv_pool_allocator=d.allocator, page_size=1,
+                                            enable_kv_cache_events=True))
+
+
+@pytest.mark.parametrize("flag", ["enable_lmcache", "enable_flexkv"])
+def test_lmcache_and_flexkv_are_refused_at_start(flag):
+    """SGLang accepts these with any --radix-cache-backend and then calls
+    check_hicache_events() every step, which a plain prefix cache cannot serve."""
+    from sglang.srt import runtime_context
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+
+    register()
+    d = Driver(KVBackendRadixCache)
+    params = CacheInitParams(disable=False, req_to_token_pool=d.rows,
+                             token_to_kv_pool_allocator=d.allocator, page_size=1)
+    ctx = TreeCacheBuildContext(server_args=None, params=params, is_hybrid_swa=False,
+                                is_hybrid_ssm=False, enable_hierarchical_cache=False,
+                                disable_radix_cache=False, tp_worker=None, model_config=None,
+                                tp_size=1, tp_rank=0, tp_group=None)
+    with runtime_context._CONTEXT.override_server_args(radix_cache_backend=BACKEND_NAME):
+        assert isinstance(create_tree_cache(ctx), KVBackendRadixCache)
+    with runtime_context._CONTEXT.override_server_args(radix_cache_backend=BACKEND_NAME,
+                                                       **{flag: True}):
+        with pytest.raises(ValueError, match=flag.replace("_", "-")):
+            create_tree_cache(ctx)
