@@ -67,7 +67,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if inserted:
             allowed.setdefault(inserted[0], set()).update(prefixes(inserted[1]))
         for ns, cached in now.items():
-            assert cached <= allowed.get(ns, set()), f"cached tokens that were never inserted in {ns!r}"
+            assert cached <= allowed.get(ns, set()), \
+                f"cached tokens that were never inserted in {ns!r}"
         if not may_evict:
             assert {k: v for k, v in now.items() if v} == {k: v for k, v in allowed.items() if v}
         for seq, tokens in self.live:

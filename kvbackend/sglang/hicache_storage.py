@@ -10,15 +10,23 @@ and the file lives under ``<disk_cache_dir>/v2/<identity digest>/``, whose heade
 repeats the identity digest and a BLAKE3 checksum of header and payload. The
 identity (``CacheIdentity``) holds the weights fingerprint (of
 ``extra_config["model_path"]`` when given, else of the model name), the kv
-dtype and page size of the host pool, the host layout, and the TP/PP/CP/DP
-shard. ``extra_config["namespace"]`` adds a deployment-wide salt on top of
-SGLang's per-request one. Writes are atomic, corrupt files read as misses and
+dtype and page size of the host pool, the host layout, and the TP/PP/CP
+shard -- not the DP group: its pages are the same in every group, so a request
+routed to another group still hits (SGLang's own file backend shares them too).
+``extra_config["namespace"]`` adds a deployment-wide salt on top of SGLang's
+per-request one. Writes are atomic, corrupt files read as misses and
 are deleted, and the directory is LRU-bounded by ``max_bytes`` (all DiskTier).
 
 extra_config keys (all optional): ``disk_cache_dir`` (default
-``$KVBACKEND_SGLANG_DISK_DIR`` or /tmp/kvbackend-hicache), ``max_bytes`` (default
-64 GiB), ``model_path``, ``namespace``, ``durable`` (fsync, default true),
-``interface_v1`` (SGLang then calls ``batch_get_v1``/``batch_set_v1``).
+``$KVBACKEND_SGLANG_DISK_DIR``, else ``default_directory()``: per user, never a
+shared /tmp), ``max_bytes`` (default 64 GiB), ``model_path``, ``namespace``,
+``durable`` (fsync, default true), ``interface_v1`` (SGLang then calls
+``batch_get_v1``/``batch_set_v1``).
+
+With ``--enable-metrics`` each batch's page count and bandwidth are reported
+through ``get_stats()`` as SGLang's ``StorageMetrics``. Hybrid models (extra SWA,
+Mamba, DSA-indexer or MTP pools, SGLang's ``*_v2`` calls) are refused when the
+backend is attached.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import hashlib
 import logging
 import os
 import struct
+import threading
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -34,15 +44,22 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
 )
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvbackend.store import CacheIdentity, DiskTier, model_fingerprint
 
 logger = logging.getLogger("kvbackend.sglang")
 
-DEFAULT_DIR = "/tmp/kvbackend-hicache"
 DEFAULT_MAX_BYTES = 64 << 30
 _DOMAIN = b"kvbackend-sglang-page-v1\0"
+
+
+def default_directory() -> str:
+    """``$XDG_CACHE_HOME/kvbackend/sglang-hicache``, else ``~/.cache/kvbackend/sglang-hicache``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvbackend", "sglang-hicache")
 
 
 def page_identity(config: HiCacheStorageConfig, *, kv_dtype: str, page_size: int,
@@ -62,7 +79,7 @@ def page_identity(config: HiCacheStorageConfig, *, kv_dtype: str, page_size: int
     tp_rank, tp_size = (0, 1) if config.is_mla_model else (config.tp_rank, config.tp_size)
     shard = dict(pp=f"{config.pp_rank}/{config.pp_size}",
                  attn_cp=f"{config.attn_cp_rank}/{config.attn_cp_size}",
-                 dcp=f"{config.dcp_rank}/{config.dcp_size}", dp=str(config.dp_rank),
+                 dcp=f"{config.dcp_rank}/{config.dcp_size}",
                  mla=str(int(config.is_mla_model)), split_heads=str(int(config.should_split_heads)),
                  tp_lcm=str(config.tp_lcm_size), model_name=str(config.model_name),
                  namespace=str(extra.get("namespace", "")))
@@ -98,13 +115,15 @@ class KVBackendHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         extra = dict(storage_config.extra_config or {})
         self.directory = (extra.get("disk_cache_dir") or extra.get("file_storage_path")
-                          or os.environ.get("KVBACKEND_SGLANG_DISK_DIR") or DEFAULT_DIR)
+                          or os.environ.get("KVBACKEND_SGLANG_DISK_DIR") or default_directory())
         self.max_bytes = int(extra.get("max_bytes", DEFAULT_MAX_BYTES))
         self.namespace = str(extra.get("namespace", ""))
         self.durable = bool(extra.get("durable", True))
         self.mem_pool_host = None
         self.tier: Optional[DiskTier] = None
         self.page_size: Optional[int] = None
+        self.metrics = StorageMetrics() if storage_config.enable_storage_metrics else None
+        self._metrics_lock = threading.Lock()  # batches run on SGLang's I/O threads
 
     # ----------------------------------------------------------------- set-up
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -113,6 +132,16 @@ class KVBackendHiCacheStorage(HiCacheStorage):
             "page_first" if self.config.is_page_first_layout else "layer_first")
         self.open(kv_dtype=str(mem_pool_host.dtype).removeprefix("torch."),
                   page_size=int(mem_pool_host.page_size), kv_layout=f"sglang-host-{layout}")
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang registers every host pool here; only the KV pool is served: a hybrid
+        model's extra pools would need ``batch_exists_v2`` and friends."""
+        if host_pool_name != PoolName.KV and host_pool is not self.mem_pool_host:
+            raise ValueError(
+                f"kvbackend HiCache storage does not support hybrid models (extra "
+                f"{getattr(host_pool_name, 'value', host_pool_name)!r} pool: SWA, Mamba, DSA "
+                "indexer or MTP draft pools); use SGLang's file backend for this model")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def open(self, *, kv_dtype: str, page_size: int, kv_layout: str) -> None:
         """Open the disk tier for pages of this dtype, size and layout (done by
@@ -156,8 +185,10 @@ class KVBackendHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
-        targets = target_locations or [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+        start, targets = time.perf_counter(), target_locations or [None] * len(keys)
+        pages = [self.get(k, t) for k, t in zip(keys, targets)]
+        self._measure("prefetch", start, [p for p in pages if p is not None])
+        return pages
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
@@ -169,26 +200,32 @@ class KVBackendHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
                   ) -> bool:
-        pages = values if values is not None else target_locations
-        return all([self.set(k, v) for k, v in zip(keys, pages)])
+        start, pages = time.perf_counter(), values if values is not None else target_locations
+        done = all([self.set(k, v) for k, v in zip(keys, pages)])
+        self._measure("backup", start, pages)
+        return done
 
     # ---------------------------------------------- v1: straight from host pages
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Load page i into the host pool at ``host_indices[i * page_size]``."""
-        pool, ok = self.mem_pool_host, []
+        start, pool, loaded = time.perf_counter(), self.mem_pool_host, []
         for i, key in enumerate(keys):
             page = self.get(key, pool.get_dummy_flat_data_page())
             if page is not None:
                 pool.set_from_flat_data_page(int(host_indices[i * self.page_size]), page)
-            ok.append(page is not None)
-        return ok
+            loaded.append(page)
+        self._measure("prefetch", start, [page for page in loaded if page is not None])
+        return [page is not None for page in loaded]
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        pool = self.mem_pool_host
-        return [self.set(key, pool.get_data_page(int(host_indices[i * self.page_size])))
-                for i, key in enumerate(keys)]
+        start, pool = time.perf_counter(), self.mem_pool_host
+        pages = [pool.get_data_page(int(host_indices[i * self.page_size]))
+                 for i in range(len(keys))]
+        done = [self.set(key, page) for key, page in zip(keys, pages)]
+        self._measure("backup", start, pages)
+        return done
 
     # ------------------------------------------------------------------- misc
     def clear(self) -> None:
@@ -196,5 +233,21 @@ class KVBackendHiCacheStorage(HiCacheStorage):
         if self.tier is not None:
             self.tier.evict_to(0)
 
-    def get_stats(self):
-        return None if self.tier is None else self.tier.stats()
+    def _measure(self, kind: str, start: float, pages: list) -> None:
+        """Record one batch (``kind`` "prefetch" or "backup") for ``get_stats``."""
+        if self.metrics is None or not pages:
+            return
+        seconds = max(time.perf_counter() - start, 1e-9)
+        nbytes = sum(page.numel() * page.element_size() for page in pages)
+        with self._metrics_lock:
+            getattr(self.metrics, f"{kind}_pgs").append(len(pages))
+            getattr(self.metrics, f"{kind}_bandwidth").append(nbytes / seconds / 1e9)  # GB/s
+
+    def get_stats(self) -> Optional[StorageMetrics]:
+        """The batches since the last call, as SGLang's ``StorageMetrics`` (page counts and
+        GB/s per batch); None without ``--enable-metrics``."""
+        if self.metrics is None:
+            return None
+        with self._metrics_lock:
+            stats, self.metrics = self.metrics, StorageMetrics()
+        return stats

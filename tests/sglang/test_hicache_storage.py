@@ -32,14 +32,16 @@ def host_pool(dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
     return host
 
 
-def make_backend(tmp_path, pool, *, model_name="tiny", **extra) -> KVBackendHiCacheStorage:
+def make_backend(tmp_path, pool, *, model_name="tiny", dp_rank=0, metrics=False,
+                 **extra) -> KVBackendHiCacheStorage:
     extra = {"backend_name": "kvbackend", "module_path": "kvbackend.sglang.hicache_storage",
              "class_name": "KVBackendHiCacheStorage", "disk_cache_dir": str(tmp_path / "l3"),
              "durable": False, **extra}
+    extra = {k: v for k, v in extra.items() if v is not None}
     config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                   attn_cp_size=1, is_mla_model=False,
-                                  enable_storage_metrics=False, is_page_first_layout=False,
-                                  model_name=model_name, extra_config=extra)
+                                  enable_storage_metrics=metrics, is_page_first_layout=False,
+                                  model_name=model_name, dp_rank=dp_rank, extra_config=extra)
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     assert isinstance(backend, KVBackendHiCacheStorage)
     backend.register_mem_pool_host(pool)  # what the cache controller does next
@@ -151,3 +153,58 @@ def test_size_bound_evicts_lru(tmp_path):
     assert not backend.exists(KEYS[0])
     backend.clear()
     assert backend.batch_exists(KEYS[-3:]) == 0
+
+
+def test_stats_are_sglang_storage_metrics(tmp_path):
+    """With --enable-metrics SGLang sets ``prefetch_stats`` on what get_stats() returns and
+    logs it through StorageMetricsCollector, which asserts a StorageMetrics."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    pool = host_pool()
+    backend = make_backend(tmp_path, pool, metrics=True)
+    store(backend, pool)
+    load(backend, pool, KEYS[:2])
+    stats = backend.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [len(KEYS)] and stats.prefetch_pgs == [2]
+    assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
+    stats.prefetch_stats = {}  # what UnifiedRadixCache does next
+    assert backend.get_stats().prefetch_pgs == []  # each interval reports its own batches
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+        StorageMetricsCollector({"storage_backend": "kvbackend"}).log_storage_metrics(stats)
+    except ImportError:  # prometheus_client not installed here
+        pass
+
+
+def test_extra_pools_of_hybrid_models_are_refused_at_attach(tmp_path):
+    """SGLang registers SWA / Mamba / DSA / MTP pools with register_mem_host_pool_v2 and
+    then asks batch_exists_v2, which this backend does not serve: refuse the attach."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pool = host_pool()
+    backend = make_backend(tmp_path, pool)
+    backend.register_mem_host_pool_v2(pool, PoolName.KV)  # the anchor pool is fine
+    with pytest.raises(ValueError, match="hybrid"):
+        backend.register_mem_host_pool_v2(host_pool(), PoolName.SWA)
+
+
+def test_dp_groups_share_pages(tmp_path):
+    """Pages do not depend on the DP group (SGLang's own file backend shares them)."""
+    pool = host_pool()
+    store(make_backend(tmp_path, pool, dp_rank=0), pool)
+    other = make_backend(tmp_path, pool, dp_rank=1)
+    assert other.batch_exists(KEYS) == len(KEYS)
+    for got, want in zip(load(other, pool), [pool.get_data_page(i * PAGE) for i in range(5)]):
+        assert torch.equal(got, want)
+
+
+def test_default_directory_is_per_user_not_tmp(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBACKEND_SGLANG_DISK_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    backend = make_backend(tmp_path, host_pool(), disk_cache_dir=None)
+    assert backend.directory.startswith(str(tmp_path / "xdg" / "kvbackend"))
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    backend = make_backend(tmp_path, host_pool(), disk_cache_dir=None)
+    assert backend.directory.startswith(str(tmp_path / "home" / ".cache" / "kvbackend"))
