@@ -217,6 +217,24 @@ def test_partial_temp_file_is_never_read(tmp_path, tier):
     assert not os.path.exists(tmp)
 
 
+def test_new_directories_are_fsynced_into_their_parent(tmp_path, monkeypatch):
+    synced = set()
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    tier = DiskTier(tmp_path / "new" / "cache", 10 * FILE, ID)
+    assert tier.put(key_of(0), b"x" * 10, 16)
+    block = block_path(tier.base, key_of(0))
+    created = [tmp_path / "new", tmp_path / "new" / "cache", tmp_path / "new" / "cache" / "v2",
+               tier.base, os.path.dirname(block)]
+    unsynced = [str(d) for d in created if os.stat(os.path.dirname(d)).st_ino not in synced]
+    assert not unsynced and os.stat(os.path.dirname(block)).st_ino in synced
+
+
 _CHILD_HALF_WRITE = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})

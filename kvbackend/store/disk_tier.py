@@ -69,10 +69,12 @@ Guarantees
 * No shared index: each process keeps an in-memory LRU index (initial order
   from file mtimes; hits touch the file's mtime so other processes see them).
   Rescans rebuild it from the directory, off the caller's path, on a background
-  thread every ``rescan_interval_s`` seconds (None: only when ``rescan`` is
-  called). A file that vanishes (another process evicted it) is a miss. A
-  ``probe_only`` tier (for a scheduler that only asks whether a block exists)
-  keeps no index at all: ``contains`` is one ``lstat``.
+  thread every ``rescan_interval_s`` seconds, or 10x a rescan's duration if
+  longer (None: only when ``rescan`` is called); 1M files take ~20 s and ~190 MB
+  of index on the dev box (``benchmarks/bench_disk_index.py``). A file that
+  vanishes (another process evicted it) is a miss. A ``probe_only`` tier (for a
+  scheduler that only asks whether a block exists) keeps no index at all:
+  ``contains`` is one ``lstat``.
 * The bound: ``max_bytes`` bounds the identity directory. Several writers
   declare theirs (:mod:`kvbackend.store.disk_bound`) and each evicts down to
   the largest bound of a live writer, so a process opened with a smaller bound
@@ -128,6 +130,7 @@ __all__ = ["FORMAT_DIR", "IDENTITY_FILE", "DiskTier"]
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _WHOLE_TIER = "*"  # the backoff scope of a full filesystem
+_RESCAN_DUTY = 10  # background rescans wait at least this many times their own duration
 _T = TypeVar("_T")
 
 
@@ -544,16 +547,21 @@ def _regular_file_size(name: str, dir_fd: int) -> int | None:
 
 
 def _rescan_loop(tier_ref: weakref.ref, stop: threading.Event, interval_s: float) -> None:
-    """Rescan the tier every ``interval_s`` until stopped or the tier is collected."""
-    while not stop.wait(interval_s):
+    """Rescan the tier every ``interval_s``, or 10x as long as the last rescan took if
+    that is longer (a huge directory costs at most ~10% of a core), until stopped or
+    the tier is collected."""
+    wait_s = interval_s
+    while not stop.wait(wait_s):
         tier = tier_ref()
         if tier is None:
             return
+        start = time.monotonic()
         try:
             tier.rescan()
         except Exception:  # noqa: BLE001 - a failed rescan must not end the rescans
             logger.exception("kvbackend disk tier: rescan of %s failed", tier.base)
         del tier
+        wait_s = max(interval_s, _RESCAN_DUTY * (time.monotonic() - start))
 
 
 def _release(stop: threading.Event, declaration: BoundDeclaration | None) -> None:

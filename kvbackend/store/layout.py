@@ -26,6 +26,7 @@ SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 
 _HEX = frozenset("0123456789abcdef")
+_BLOCK = re.compile(r"[0-9a-f]{64}\.kvb")
 _TEMP = re.compile(r"\.([0-9a-f]{64}\.kvb|identity\.json|probe)\.[0-9]{1,10}\.[0-9a-f]{8}\.tmp")
 
 
@@ -42,7 +43,7 @@ def is_subdir_name(name: str) -> bool:
 
 
 def is_block_name(name: str) -> bool:
-    return name.endswith(SUFFIX) and is_hex(name[: -len(SUFFIX)], 64)
+    return _BLOCK.fullmatch(name) is not None
 
 
 def temp_name(final_name: str) -> str:

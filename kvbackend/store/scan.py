@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvbackend.store.block_file import BlockHeader, verify_stream
 from kvbackend.store.layout import (
@@ -48,8 +49,9 @@ class IdentityDir:
         return self.digest.startswith(prefix) or (self.model_fingerprint or "").startswith(prefix)
 
 
-@dataclass(frozen=True, slots=True)
-class FileEntry:
+class FileEntry(NamedTuple):
+    """One regular file (a named tuple: a rescan makes millions)."""
+
     directory: str  # the key subdirectory, or the identity directory for its own temp files
     name: str
     size: int
