@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, KVCacheConfig, RSWASpec
 
 from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
@@ -25,9 +26,14 @@ def is_tier_connector(kv_transfer_config: Any) -> bool:
             and kv_transfer_config.kv_connector_module_path == TIER_CONNECTOR_MODULE)
 
 
-def unsupported_features(config: VllmConfig) -> list[str]:
-    """vLLM features kvbackend cannot serve safely; each is refused at start-up."""
-    sched, parallel = config.scheduler_config, config.parallel_config
+def unsupported_features(config: VllmConfig,
+                         kv_cache_config: KVCacheConfig | None = None) -> list[str]:
+    """vLLM features kvbackend cannot serve safely; each is refused at start-up.
+
+    With ``kv_cache_config`` (known once the workers report their layers) also the
+    models whose KV of a prefix is not a function of that prefix alone.
+    """
+    sched, parallel, model = config.scheduler_config, config.parallel_config, config.model_config
     checks = {
         "speculative decoding": config.speculative_config is not None,
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
@@ -39,9 +45,28 @@ def unsupported_features(config: VllmConfig) -> list[str]:
              and not is_tier_connector(config.kv_transfer_config)),
         "async scheduling (pass --no-async-scheduling)": bool(sched.async_scheduling),
         "priority scheduling (use the default fcfs policy)": sched.policy != "fcfs",
-        "encoder-decoder models": config.model_config.is_encoder_decoder,
+        "encoder-decoder models": model.is_encoder_decoder,
+        # vLLM picks its DiffusionScheduler only when no scheduler class is set.
+        "diffusion models (they need vLLM's DiffusionScheduler)":
+            model.is_diffusion or config.diffusion_config is not None,
+        "models vLLM itself serves without prefix caching (attention-free; pooling with "
+        "bidirectional attention or mean/CLS pooling)":
+            not model.is_encoder_decoder and not model.is_prefix_caching_supported,
+        "non-causal (bidirectional or prefix-LM) attention":
+            config.attention_config.use_non_causal
+            or (kv_cache_config is not None and _has_non_causal_layers(kv_cache_config)),
     }
     return [name for name, present in checks.items() if present]
+
+
+def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether a layer's KV is more than a function of the tokens before it. vLLM turns
+    prefix caching off for ``non_causal`` specs (prefix-LM layers, in
+    ``EngineCore._initialize_kv_caches``), encoder-only layers and R-SWA (whose decode
+    KV depends on the window, ``models/config.py``)."""
+    return any(getattr(group.kv_cache_spec, "non_causal", False)
+               or isinstance(group.kv_cache_spec, (EncoderOnlyAttentionSpec, RSWASpec))
+               for group in kv_cache_config.kv_cache_groups)
 
 
 class KVBackendScheduler(Scheduler):
@@ -49,7 +74,7 @@ class KVBackendScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        refused = unsupported_features(self.vllm_config)
+        refused = unsupported_features(self.vllm_config, self.kv_cache_config)
         if refused:
             raise ValueError("kvbackend cannot serve this configuration: " + "; ".join(refused))
         extra = self.vllm_config.additional_config or {}

@@ -1,0 +1,127 @@
+"""Models whose prefix KV kvbackend cannot reuse correctly are refused at start.
+
+A prefix-LM model (the prompt attends bidirectionally: the KV of a prompt's prefix
+depends on the rest of the prompt) is started for real on the CPU engine, in a
+subprocess, and must exit with kvbackend's message. A diffusion model cannot start
+on the CPU build at all (its V1 model runner refuses them), so its refusal is
+checked on vLLM's real config and scheduler: the configuration a GPU build would
+hand to kvbackend's scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvbackend.vllm import engine_kwargs
+from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
+from tests.vllm.conftest import BLOCK_SIZE
+
+REFUSED = "kvbackend cannot serve this configuration"
+START_TIMEOUT_S = 300
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    for name in os.listdir(src):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(src, name), dst)
+
+
+@pytest.fixture(scope="module")
+def prefix_lm_model(tiny_model, tmp_path_factory) -> str:
+    """A tiny random HRM-Text model: vLLM runs its prompt with prefix-LM attention."""
+    from transformers import HrmTextConfig, HrmTextForCausalLM
+
+    path = str(tmp_path_factory.mktemp("tiny-hrm"))
+    config = HrmTextConfig(vocab_size=512, hidden_size=128, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=4, head_dim=32, H_cycles=1,
+                           L_cycles=1, max_position_embeddings=2048, bos_token_id=1,
+                           eos_token_id=2)
+    assert config.prefix_lm
+    torch.manual_seed(0)
+    HrmTextForCausalLM(config).eval().save_pretrained(path)
+    _copy_tokenizer(tiny_model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def diffusion_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny Llama with a ``canvas_length``: what makes vLLM treat a model as diffusion."""
+    path = str(tmp_path_factory.mktemp("tiny-diffusion"))
+    shutil.copytree(tiny_model, path, dirs_exist_ok=True)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "canvas_length": 64}, f)
+    return path
+
+
+START_SCRIPT = """
+import sys
+from vllm import LLM
+from kvbackend.vllm import engine_kwargs
+if __name__ == "__main__":
+    LLM(model=sys.argv[1], dtype="float32", max_model_len=512, enforce_eager=True,
+        block_size=32, kv_cache_memory_bytes=8 << 20, **engine_kwargs())
+    print("STARTED")
+"""
+
+
+def test_prefix_lm_model_is_refused_at_start(prefix_lm_model, tmp_path):
+    script = tmp_path / "start.py"
+    script.write_text(START_SCRIPT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run([sys.executable, str(script), prefix_lm_model], capture_output=True,
+                          text=True, timeout=START_TIMEOUT_S, env=env, cwd=os.getcwd())
+    assert "STARTED" not in done.stdout
+    assert done.returncode != 0
+    assert REFUSED in done.stderr and "non-causal" in done.stderr, done.stderr[-3000:]
+
+
+def _kv_cache_config(num_layers: int = 2) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32,
+                             dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def test_diffusion_model_is_refused_by_the_scheduler(diffusion_model, monkeypatch):
+    # Diffusion models are served by the V2 model runner, which needs Triton (GPU builds):
+    # let the config validation see the GPU build's answer to "is Triton there".
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr("vllm.config.vllm.HAS_TRITON", True)
+    config = EngineArgs(model=diffusion_model, dtype="float32", max_model_len=512,
+                        block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+    assert config.model_config.is_diffusion
+    assert config.scheduler_config.scheduler_cls == engine_kwargs()["scheduler_cls"]
+    assert unsupported_features(config) == ["diffusion models (they need vLLM's "
+                                            "DiffusionScheduler)"]
+    kv_cache_config = _kv_cache_config()
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks  # as EngineCore does
+    with pytest.raises(ValueError, match=f"{REFUSED}: diffusion models"):
+        KVBackendScheduler(config, kv_cache_config, StructuredOutputManager(config),
+                           block_size=BLOCK_SIZE)
+
+
+def test_non_causal_specs_are_refused(tiny_model):
+    config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                        block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+    causal = _kv_cache_config()
+    assert unsupported_features(config, causal) == []
+    group = causal.kv_cache_groups[0]
+    bidirectional = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32,
+                                      dtype=torch.float32, non_causal=True)
+    non_causal = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(group.layer_names, bidirectional)])
+    assert unsupported_features(config, non_causal) == [
+        "non-causal (bidirectional or prefix-LM) attention"]
