@@ -2,12 +2,37 @@
 
 ``tier_identity`` builds the :class:`CacheIdentity` that names a rank's blocks in
 the host and disk tiers; ``block_nbytes`` is the size of one tier payload.
+
+Two engines share tier entries only when every input below is equal, so each one
+that changes the KV bytes of the same tokens must be in it (the request's LoRA
+adapter and cache salt are in the block keys, ``kvbackend.vllm.namespace``):
+
+  * the weights and ``config.json`` (content fingerprint), and how they are loaded:
+    load format (``dummy`` weights are random), loader options, model implementation
+    and class overrides;
+  * the *effective* Hugging Face config, after ``hf_overrides`` (RoPE scaling, ...);
+  * the model dtype, online ``--quantization`` and its options;
+  * the KV cache: every field of vLLM's KV cache spec (dtype, quantization mode,
+    heads, head sizes, block size, padding), ``--kv-cache-dtype`` and its skipped
+    layers, the resolved physical KV layout (vLLM's ``KVCacheLayout``, which replaced
+    the backends' stride orders) and the attention backend that writes it;
+  * vLLM's version, the device type, the tensor-parallel rank and size.
+
+Left out on purpose, since they do not change the bytes: ``max_model_len``, seeds,
+scheduling and memory settings, served model name. (vLLM 0.32 has no
+``calculate_kv_scales``: fp8 KV scales come from the checkpoint or the quantization
+config, both covered.) Every value is canonical JSON, so the digest is the same in
+every process and run given the same configuration.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import hashlib
+import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbackend.store import CacheIdentity, model_fingerprint
 
@@ -30,8 +55,9 @@ def resolve_model_dir(vllm_config: VllmConfig) -> str | None:
 
 def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                   tp_rank: int) -> CacheIdentity:
-    """What the KV bytes of a block depend on besides its tokens. Raises ValueError
-    when the model's weights cannot be fingerprinted."""
+    """What the KV bytes of a block depend on besides its tokens (module docstring).
+    Raises ValueError when the model's weights cannot be fingerprinted. O(config size)
+    after the first fingerprint of the weights (memoized)."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -41,19 +67,32 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                          "to fingerprint its weights")
     (group,) = kv_cache_config.kv_cache_groups
     spec = group.kv_cache_spec
+    model, cache, load = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
     layout = "|".join([
-        f"vllm-{vllm.__version__}", current_platform.device_type, type(spec).__name__,
-        f"kv_heads={spec.num_kv_heads}", f"head_size={spec.head_size}",
-        f"layers={len(group.layer_names)}", f"page_bytes={spec.page_size_bytes}",
+        f"vllm-{vllm.__version__}", current_platform.device_type,
+        f"{type(spec).__name__}{_canonical(_fields(spec))}", f"layers={len(group.layer_names)}",
+        f"kv_cache_layout={kv_cache_config.kv_cache_layout or cache.kv_cache_layout}",
+        f"attention_backend={_attention_backends(vllm_config, group.layer_names)}",
     ])
+    extra = {
+        "model_dtype": model.dtype,
+        "hf_config": _digest(_effective_hf_config(model.hf_config)),
+        "quantization": model.quantization,
+        "quantization_config": model.quantization_config,
+        "load_format": load.load_format,
+        "model_loader_extra_config": _digest(load.model_loader_extra_config),
+        "model_impl": model.model_impl,
+        "model_class_overrides": model.model_class_overrides,
+        "kv_cache_dtype_skip_layers": cache.kv_cache_dtype_skip_layers,
+    }
     return CacheIdentity(
         model_fingerprint=model_fingerprint(model_dir),
-        kv_dtype=f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}",
+        kv_dtype=f"{spec.dtype}/{cache.cache_dtype}",
         block_size=spec.block_size,
         kv_layout=layout,
         tp_rank=tp_rank,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        extra=(("model_dtype", str(vllm_config.model_config.dtype)),),
+        extra=tuple((name, _canonical(value)) for name, value in extra.items()),
     )
 
 
@@ -61,6 +100,50 @@ def block_nbytes(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one block over all layers (one tier payload)."""
     (group,) = kv_cache_config.kv_cache_groups
     return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+def _attention_backends(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """The attention backend(s) of these layers, as vLLM's KV connectors resolve them
+    (the layers' own where the model is loaded in this process, else vLLM's selector)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = get_current_attn_backends(vllm_config, layer_names)
+    return ",".join(sorted(backend.get_name() for backend in backends))
+
+
+def _effective_hf_config(hf_config: Any) -> dict:
+    """The model's Hugging Face config as vLLM uses it (``hf_overrides`` applied),
+    without the private keys that name where it was loaded from (``_name_or_path``)."""
+    return {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_")}
+
+
+def _fields(spec: Any) -> dict:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+
+
+def _canonical(value: Any) -> str:
+    """Compact JSON with sorted keys; sets sorted, enums by name, other objects by str()."""
+    return json.dumps(_plain(value), sort_keys=True, separators=(",", ":"))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(v) for v in value), key=repr)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {type(value).__name__: _plain(_fields(value))}
+    return str(value)
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(_canonical(value).encode()).hexdigest()
 
 
 __all__ = ["block_nbytes", "resolve_model_dir", "tier_identity"]
