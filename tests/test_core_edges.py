@@ -230,3 +230,12 @@ def test_tree_pins_count_their_calls(cache):
         tree.unpin([3] * 6)
     assert cache.evict(16) == 2
     cache.check_invariants()
+
+
+def test_whole_leaf_eviction_drops_the_lru_leaf_entirely(cache):
+    run(cache, [1] * 4 + [2] * 8)  # LRU: its leaf holds blocks 1 and 2
+    run(cache, [1] * 4 + [3] * 8)
+    assert cache.tree.evict(1, whole_leaves=True) == 2
+    assert cache.match([1] * 4 + [2] * 8).num_tokens == 4
+    assert cache.match([1] * 4 + [3] * 8).num_tokens == 12
+    cache.check_invariants()

@@ -315,11 +315,13 @@ class RadixTree:
         self._pin_counts.clear()
         self._pinned_ends.clear()
 
-    def evict(self, num_blocks: int) -> int:
+    def evict(self, num_blocks: int, *, whole_leaves: bool = False) -> int:
         """Free at least ``num_blocks`` blocks if possible; returns how many were freed.
 
         Takes blocks from the tail of the lowest (priority, last use) unlocked leaf,
-        repeatedly. Complexity: O(k log n) for k blocks dropped, n evictable leaves.
+        repeatedly; with ``whole_leaves`` each leaf it takes goes entirely (SGLang's
+        granularity: fewer, larger evictions). Complexity: O(l log n + k) for l
+        leaves touched, k blocks dropped, n evictable leaves.
         """
         freed = skipped = 0
         while freed < num_blocks and skipped < len(self._evictable):
@@ -328,7 +330,7 @@ class RadixTree:
                 skipped += 1
                 continue
             stats = self.stats.setdefault(leaf.namespace, NamespaceStats())
-            keep = max(len(leaf.block_ids) - (num_blocks - freed), 0)
+            keep = 0 if whole_leaves else max(len(leaf.block_ids) - (num_blocks - freed), 0)
             new_end = (leaf.start // self.block_size + keep) * self.block_size
             if new_end <= leaf.start:
                 parent = leaf.parent

@@ -1,0 +1,23 @@
+"""The token-array kernels against brute force (tests/token_reference.py)."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbackend.core import as_token_array, common_prefix_length
+from tests.token_reference import lcp
+
+TOKEN = st.sampled_from([0, 1, 2**62 + 7])
+
+
+@given(data=st.data(), shared=st.integers(0, 700), tails=st.tuples(
+    st.lists(TOKEN, max_size=40), st.lists(TOKEN, max_size=40)))
+def test_common_prefix_length_is_the_brute_force_lcp(data, shared, tails):
+    """Lengths around and beyond the 128-token chunks the kernel compares at once."""
+    stem = np.arange(shared) % 3
+    a = as_token_array(np.concatenate([stem, tails[0]]).astype(np.int64))
+    b = as_token_array(np.concatenate([stem, tails[1]]).astype(np.int64))
+    start = data.draw(st.integers(0, min(len(a), len(b))))
+    assert common_prefix_length(a, start, b, start) == lcp(a[start:].tolist(),
+                                                           b[start:].tolist())
+    assert common_prefix_length(a, 0, b, 0) == lcp(a.tolist(), b.tolist())
