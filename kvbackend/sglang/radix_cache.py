@@ -1,12 +1,9 @@
 """SGLang's prefix cache (``BasePrefixCache``) backed by kvbackend's token-exact ``RadixTree``.
 
-Ownership. SGLang has no per-slot refcount: a KV slot belongs to exactly one of
-the allocator (free), the tree, or one request (its private tail). The tree
-works in blocks of ``page_size`` slots (block id = page id = ``slot // page_size``)
-and may list one page in two nodes (a node that starts inside a page shares it
-with its parent), so ``_PageRefs`` counts the tree's references per page and
-owns exactly one SGLang reference for each page it counts: the page goes back
-to the allocator when the tree's last reference goes.
+Ownership. A KV slot belongs to exactly one of the allocator (free), the tree,
+or one request (its private tail). The tree works in blocks of ``page_size``
+slots (block id = page id) and owns one SGLang reference per page it lists
+(``PageRefs``): the page goes back to the allocator when no node lists it.
 
 Accounting (SGLang's leak check: available + evictable + protected + request-owned == total):
     protected = page_size * tree.num_held_blocks   (pages of locked or pinned nodes)
@@ -34,8 +31,8 @@ LoRA adapters or salts never share a node.
 Eviction order is SGLang's: a node's priority is the inserting request's (under
 ``--radix-eviction-policy priority``; 0 otherwise), a finished request's prompt
 is kept at its priority + 1 and its output at its priority, and among equals the
-least recently used leaf goes first. Leaves are trimmed from their tails, so a
-request's output tokens go before its prompt.
+least recently used leaf goes first, whole (SGLang frees whole leaves too: fewer,
+larger evictions).
 
 Every call below is O(depth) plus array operations over the tokens or pages it
 reads or writes; none walks pages one by one in Python.
@@ -65,7 +62,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from kvbackend.core import RadixNode, RadixTree, as_token_array
+from kvbackend.core import RadixNode, RadixTree
+from kvbackend.sglang.page_refs import PageRefs, page_slots
 
 logger = logging.getLogger("kvbackend.sglang")
 
@@ -92,51 +90,6 @@ class TreeHandle:
 
 
 _EMPTY = TreeHandle(None, 0)
-
-
-class _PageRefs:
-    """The tree's references to SGLang pages (the ``BlockRefs`` the tree calls), one
-    count per page id in an array, so a node's pages change hands in one vector step.
-
-    The tree owns SGLang's single reference to a page while its count is positive:
-    the first reference adopts the page from the request that computed it, the last
-    hands it back to the allocator. Holds need nothing per page: the tree counts its
-    held pages itself (``RadixTree.num_held_blocks``) and never drops a locked node's.
-
-    Invariant: ``num_pages == #{p : counts[p] > 0}``, and counts[p] is the number of
-    tree nodes listing page p.
-    """
-
-    def __init__(self, allocator: Any, page_size: int) -> None:
-        self.allocator = allocator
-        self.counts = np.zeros(allocator.size // page_size + 2, dtype=np.int32)
-        self.num_pages = 0
-
-    def ref(self, ids: np.ndarray, *, hold: bool) -> None:
-        """Take one reference to each of ``ids`` (distinct). O(len(ids)), vectorized."""
-        counts = self.counts[ids]
-        self.num_pages += int(np.count_nonzero(counts == 0))
-        self.counts[ids] = counts + 1
-
-    def unref(self, ids: np.ndarray, *, hold: bool) -> int:
-        """Drop one reference to each of ``ids``; pages left without one go back to the
-        allocator. Returns how many did. O(len(ids)), vectorized."""
-        counts = self.counts[ids] - 1
-        if len(counts) and counts.min() < 0:
-            raise RuntimeError(f"unref of pages {ids[counts < 0][:8].tolist()} the tree does "
-                               "not hold indicates a bug")
-        self.counts[ids] = counts
-        freed = ids[counts == 0]
-        if len(freed):
-            self.num_pages -= len(freed)
-            self.allocator.free_page_ids(torch.from_numpy(freed).to(self.allocator.device))
-        return len(freed)
-
-    def hold(self, ids: np.ndarray) -> None:
-        """Nothing to do per page (see the class docstring)."""
-
-    def unhold(self, ids: np.ndarray) -> None:
-        """Nothing to do per page (see the class docstring)."""
 
 
 class _Forest:
@@ -175,7 +128,6 @@ class KVBackendRadixCache(BasePrefixCache):
         self.eviction_policy = policy
         self.sliding_window_size = None
         self.device = torch.device(getattr(self.token_to_kv_pool_allocator, "device", "cpu"))
-        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
         self._refused_tokens = False
         if params.enable_metrics:
             self.init_metrics_collector()
@@ -184,25 +136,23 @@ class KVBackendRadixCache(BasePrefixCache):
     # ----------------------------------------------------------------- set-up
     def reset(self) -> None:
         """Forget everything cached (SGLang clears the allocator itself on a flush)."""
-        self.refs = _PageRefs(self.token_to_kv_pool_allocator, self.page_size)
+        self.refs = PageRefs(self.token_to_kv_pool_allocator, self.page_size)
         self.tree = RadixTree(self.page_size, self.refs)
         self._forest = _Forest(self.tree.roots)
         self.root_node = _EMPTY
 
-    def _tokens(self, ids: Any) -> Optional[np.ndarray]:
-        """SGLang token ids as an int64 array (``array('q')`` without a copy, other
-        containers by value); None, logged once, for ids the tree cannot hold (negative),
-        so such a request is served without caching rather than failing the step."""
-        try:
-            return as_token_array(ids)
-        except ValueError as e:
-            if not self._refused_tokens:
-                logger.warning("kvbackend radix cache: not caching requests with %s", e)
-                self._refused_tokens = True
-            return None
-
-    def _page_aligned(self, tokens: np.ndarray) -> np.ndarray:
+    def _page_aligned(self, ids: Any) -> np.ndarray:
+        """SGLang token ids (``array('q')`` taken without a copy, other containers by
+        value) cut to whole pages; the tree validates them."""
+        tokens = np.asarray(ids)
         return tokens[: len(tokens) // self.page_size * self.page_size]
+
+    def _refuse(self, error: ValueError) -> None:
+        """Token ids the tree cannot hold (negative ones): the request is served without
+        caching rather than failing the scheduler's step; logged once."""
+        if not self._refused_tokens:
+            logger.warning("kvbackend radix cache: not caching requests with %s", error)
+            self._refused_tokens = True
 
     # ---------------------------------------------------------------- queries
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -212,12 +162,13 @@ class KVBackendRadixCache(BasePrefixCache):
         a lock protects the match and nothing past it (SGLang splits on match too).
         """
         key = params.key
-        tokens = self._tokens(key.raw_token_ids())
-        if tokens is None:
-            return self._match_result(_EMPTY)
-        tokens = self._page_aligned(tokens)
+        tokens = self._page_aligned(key.raw_token_ids())
         namespace = cache_namespace(key.extra_key, key.cache_salt)
-        num_tokens, node = self.tree.lookup(tokens, namespace)
+        try:
+            num_tokens, node = self.tree.lookup(tokens, namespace)
+        except ValueError as e:
+            self._refuse(e)
+            return self._match_result(_EMPTY)
         num_tokens = num_tokens // self.page_size * self.page_size
         handle = TreeHandle(self.tree.split_at(node, num_tokens), num_tokens) if num_tokens \
             else _EMPTY
@@ -226,9 +177,11 @@ class KVBackendRadixCache(BasePrefixCache):
         return self._match_result(handle)
 
     def touch_prefix(self, key) -> None:
-        tokens = self._tokens(key.raw_token_ids())
-        if tokens is not None:
-            self.tree.lookup(tokens, cache_namespace(key.extra_key, key.cache_salt))
+        try:
+            self.tree.lookup(self._page_aligned(key.raw_token_ids()),
+                             cache_namespace(key.extra_key, key.cache_salt))
+        except ValueError as e:
+            self._refuse(e)
 
     @staticmethod
     def _match_result(handle: TreeHandle) -> MatchResult:
@@ -240,14 +193,7 @@ class KVBackendRadixCache(BasePrefixCache):
         if node.node is None:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         pages = self.tree.path_block_ids(node.node, node.num_tokens)
-        return self._slots(pages).to(self.device)
-
-    def _slots(self, pages: np.ndarray) -> torch.Tensor:
-        """The slots of whole pages, in order. O(slots)."""
-        pages = torch.from_numpy(pages)
-        if self.page_size == 1:
-            return pages
-        return (pages[:, None] * self.page_size + self._page_offsets).flatten()
+        return page_slots(pages, self.page_size).to(self.device)
 
     def resolve_node_handle(self, node_handle: TreeHandle) -> Any:
         return node_handle.node if node_handle.node is not None else self._forest
@@ -269,15 +215,16 @@ class KVBackendRadixCache(BasePrefixCache):
         key_len = up_to // ps * ps
         if key_len <= protected:
             return
-        tokens = self._tokens(req.full_untruncated_fill_ids)
-        if tokens is None:
-            return  # the request keeps its pages; release_kv_cache frees them
-        tokens = tokens[:key_len]
+        tokens = np.asarray(req.full_untruncated_fill_ids)[:key_len]
         namespace = cache_namespace(req.extra_key, req.cache_salt)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         own_pages = (row[:key_len:ps].to(torch.int64) // ps).cpu().numpy()
         priority = (req.priority or 0) if self.eviction_policy == "priority" else 0
-        node = self.tree.insert(tokens, own_pages, namespace, priority=priority).node
+        try:
+            node = self.tree.insert(tokens, own_pages, namespace, priority=priority).node
+        except ValueError as e:
+            self._refuse(e)
+            return  # the request keeps its pages; release_kv_cache frees them
         if self.eviction_policy == "priority":
             self._keep_prompt_above_output(req, tokens, own_pages, namespace, priority)
 
@@ -289,7 +236,7 @@ class KVBackendRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_page_ids(
                 torch.from_numpy(duplicates).to(self.device))
         self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, key_len)),
-                                     self._slots(tree_pages).to(row.dtype).to(row.device))
+                                     page_slots(tree_pages, ps).to(row.dtype).to(row.device))
         kv.cache_protected_len = key_len
         kv.cache_inserted_len = max(kv.cache_inserted_len, key_len)
         handle = TreeHandle(node, key_len)  # insert's node ends at key_len, splits keep it so
@@ -308,15 +255,15 @@ class KVBackendRadixCache(BasePrefixCache):
             self.tree.insert(tokens[:prompt_len], pages, namespace, priority=priority + 1)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Free at least ``params.num_tokens`` tokens (whole pages) from unlocked leaves.
+        """Free at least ``params.num_tokens`` tokens by dropping whole unlocked leaves.
 
-        Complexity: O(k log n) for k leaves trimmed, n evictable leaves.
+        Complexity: O(l log n + k) for l leaves, k pages freed, n evictable leaves.
         """
         if params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
         num_pages = -(-params.num_tokens // self.page_size)
-        evicted = self.tree.evict(num_pages) * self.page_size
+        evicted = self.tree.evict(num_pages, whole_leaves=True) * self.page_size
         self.update_eviction_metrics(evicted, start)
         return EvictResult(num_tokens_evicted=evicted)
 
@@ -342,14 +289,12 @@ class KVBackendRadixCache(BasePrefixCache):
                    cache_salt: Optional[str] = None) -> bool:
         """Keep a cached prefix resident until as many ``unpin_prefix`` calls; False unless
         all of it (page-aligned) is cached. The pinned tokens count as protected."""
-        tokens = self._page_aligned(as_token_array(token_ids))
-        return self.tree.pin(tokens, cache_namespace(extra_key, cache_salt))
+        return self.tree.pin(self._page_aligned(token_ids), cache_namespace(extra_key, cache_salt))
 
     def unpin_prefix(self, token_ids: Sequence[int], *, extra_key: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> None:
         """Undo one ``pin_prefix``; ValueError if the prefix is not pinned."""
-        tokens = self._page_aligned(as_token_array(token_ids))
-        self.tree.unpin(tokens, cache_namespace(extra_key, cache_salt))
+        self.tree.unpin(self._page_aligned(token_ids), cache_namespace(extra_key, cache_salt))
 
     # ------------------------------------------------------------ accounting
     def supports_prefix_sharing(self) -> bool:
@@ -387,15 +332,7 @@ class KVBackendRadixCache(BasePrefixCache):
         """The tree's invariants, plus: the page counts are the tree's listings.
         O(nodes + pages)."""
         self.tree.check_invariants()
-        listed = np.zeros_like(self.refs.counts)
-        for node in self.tree.iter_nodes(all_namespaces=True):
-            listed[node.block_ids] += 1  # a node lists distinct pages
-        if not np.array_equal(listed, self.refs.counts):
-            raise RuntimeError(f"page counts differ from the tree's at pages "
-                               f"{np.flatnonzero(listed != self.refs.counts)[:8].tolist()}")
-        if self.refs.num_pages != np.count_nonzero(listed):
-            raise RuntimeError(f"num_pages {self.refs.num_pages} != "
-                               f"{np.count_nonzero(listed)} pages listed")
+        self.refs.check([node.block_ids for node in self.tree.iter_nodes(all_namespaces=True)])
 
 
 __all__ = ["KVBackendRadixCache", "TreeHandle", "cache_namespace", "SUPPORTED_EVICTION_POLICIES"]
