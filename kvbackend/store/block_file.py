@@ -1,4 +1,4 @@
-"""Encode and verify one block file (format v2).
+"""Encode and verify one block (format v2): a disk tier's file, a remote tier's value.
 
 The byte layout and the reasons behind it are in the docstring of
 :mod:`kvbackend.store.disk_tier`; this module is its only implementation.
@@ -112,7 +112,14 @@ def _read_header(f: BinaryIO, file_size: int, identity_digest: str | None, key: 
                  checksum_key: bytes | None, max_payload: int | None) -> BlockHeader:
     """Read and check the header (all but the checksum); raises ``CorruptBlock``.
     A payload over ``max_payload`` is refused here, before anything is allocated. O(1)."""
-    header = _read_exact(f, HEADER_LEN)
+    return _parse_header(_read_exact(f, HEADER_LEN), file_size, identity_digest, key,
+                         checksum_key, max_payload)
+
+
+def _parse_header(header: bytes, file_size: int, identity_digest: str | None, key: str | None,
+                  checksum_key: bytes | None, max_payload: int | None) -> BlockHeader:
+    """``_read_header``'s checks on the first ``HEADER_LEN`` bytes of a block of
+    ``file_size`` bytes in all (a file, or a value in memory). O(1)."""
     if len(header) < HEADER_LEN:
         raise CorruptBlock(f"short header: {len(header)} of {HEADER_LEN} bytes")
     (magic, version, header_len, flags, ident_raw, key_raw, num_tokens, _reserved,
@@ -194,6 +201,19 @@ def read_block_into(f: BinaryIO, file_size: int, out: memoryview,
         return None
     _check_payload(header, out, _readinto_exact(f, out), checksum_key)
     return header.num_tokens
+
+
+def verify_buffer(block: bytes | memoryview, identity_digest: str | None = None,
+                  key: str | None = None, *, checksum_key: bytes | None = None,
+                  max_payload: int | None = None) -> tuple[int, memoryview]:
+    """``read_block``'s checks on a whole block held in memory (a remote tier's value):
+    returns (num_tokens, the payload as a view into ``block``, no copy). O(len(block))."""
+    view = memoryview(block).cast("B")
+    header = _parse_header(bytes(view[:HEADER_LEN]), view.nbytes, identity_digest, key,
+                           checksum_key, max_payload)
+    payload = view[HEADER_LEN:]
+    _check_payload(header, payload, payload.nbytes, checksum_key)
+    return header.num_tokens, payload
 
 
 def verify_stream(f: BinaryIO, file_size: int, identity_digest: str | None = None,

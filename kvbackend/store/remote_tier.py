@@ -1,0 +1,310 @@
+"""Remote tier: KV blocks in a Redis or Valkey server that a fleet of instances shares.
+
+Keys and values
+===============
+One string per block::
+
+    key    kvb:v2:<identity digest>:<block key>
+    value  a block in the disk tier's format: 128-byte header + payload
+
+``<identity digest>`` is ``CacheIdentity.digest()`` (model weights, KV dtype,
+block size, KV layout, TP rank and size, format version, and the checksum key's
+id for a keyed tier); the block key chains the identity, the namespace (salt,
+LoRA) and every token of the prefix (:mod:`kvbackend.store.block_key`). The
+header repeats identity and key and carries the token count, the payload
+length and a BLAKE3 checksum over header and payload, keyed under the
+checksum key if one is set (:mod:`kvbackend.store.block_file`, the disk tier's
+own code). Every value read gets the disk tier's checks; one that fails any
+(garbled, truncated or padded, another identity or key, unkeyed or under
+another key on a keyed tier, not a string) is a miss and is deleted, so the
+block is recomputed and written again. A client without the checksum key
+cannot plant a block that a keyed tier accepts.
+
+Size and retention are the server's
+===================================
+The tier never counts bytes: give the server ``maxmemory <bytes>`` and
+``maxmemory-policy allkeys-lru`` (or ``allkeys-lfu``). An evicted block is a
+miss. Under ``noeviction`` (the default) or a ``volatile-*`` policy (blocks
+have no TTL) a full server refuses writes: puts fail, with one warning, and
+back off, while reads go on. One value is a block plus 128 bytes, and Redis
+adds about 100 bytes per key.
+
+A slow or dead server
+=====================
+Every socket operation, connecting included, has ``timeout_s``, and nothing is
+retried inside a call. A call that fails on the connection (refused, reset,
+timed out: a server down, paused, restarting, unreachable) is a miss (``None``,
+not stored, 0 present), logs one warning per outage and opens a circuit breaker
+(:mod:`kvbackend.store.circuit_breaker`, ``backoff_s`` doubling up to
+``max_backoff_s``): while it is open, calls return a miss at once, without
+touching the network; then one call probes the server, and its success closes
+the breaker (logged). A write refused by a server that answers (out of memory,
+read-only replica, no permission) fails the puts of that call and backs writes
+off the same way; reads go on. No call raises for any of this: only the
+caller's errors (a malformed key, a payload of the wrong size) raise.
+
+Thread-safe (redis-py's connection pool; each call takes one connection).
+Redis Cluster is not supported (a single server, a replica set behind one
+address, or a proxy). Complexity: each batched call is one pipelined round
+trip, plus one more only to delete values that failed a check; reads verify
+at BLAKE3 speed (~4 GB/s per core).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvbackend.store.block_file import (
+    FORMAT_VERSION, HEADER_LEN, CorruptBlock, as_byte_view, encode_header, verify_buffer,
+)
+from kvbackend.store.checksum_key import check_checksum_key, key_id
+from kvbackend.store.circuit_breaker import CircuitBreaker
+from kvbackend.store.identity import CacheIdentity
+from kvbackend.store.tier import Payload, check_key
+
+logger = logging.getLogger("kvbackend.store")
+
+__all__ = ["RemoteTier", "redacted_url"]
+
+MAX_VALUE_BYTES = 512 << 20  # Redis' default proto-max-bulk-len
+_MAX_PAYLOAD = MAX_VALUE_BYTES - HEADER_LEN
+_CONNECTION_ERRORS = (redis.RedisError, OSError)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***`` (for logs and errors)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+class RemoteTier:
+    """KV blocks of one ``identity`` in the Redis or Valkey server at ``url``.
+
+    ``url``: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` for
+    TLS, or ``unix:///path/to/socket``; nothing connects until the first call.
+    ``block_nbytes``: the payload size of every block of this identity (puts of
+    another size raise; values announcing another are misses); without it a
+    value may be as large as the server takes (``MAX_VALUE_BYTES``). ``clock``:
+    the circuit breakers' (tests).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        identity: CacheIdentity,
+        *,
+        checksum_key: bytes | None = None,
+        block_nbytes: int | None = None,
+        timeout_s: float = 0.5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not isinstance(url, str):
+            raise ValueError(f"remote cache url must be a string, got {type(url).__name__}")
+        if block_nbytes is not None and (not isinstance(block_nbytes, int) or block_nbytes < 1):
+            raise ValueError(f"block_nbytes must be a positive int or None, got {block_nbytes!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if checksum_key is not None:
+            check_checksum_key(checksum_key)
+            identity = replace(identity, extra=(*identity.extra,
+                                                ("checksum_key_id", key_id(checksum_key))))
+        self.url = redacted_url(url)
+        self.identity = identity
+        self.identity_digest = identity.digest()
+        self.prefix = f"kvb:v{FORMAT_VERSION}:{self.identity_digest}:"
+        self.checksum_key = checksum_key
+        self.block_nbytes = block_nbytes
+        self.max_payload = block_nbytes if block_nbytes is not None else _MAX_PAYLOAD
+        breaker_clock = {} if clock is None else {"clock": clock}
+        self._server = CircuitBreaker(backoff_s, max_backoff_s, **breaker_clock)
+        self._writes = CircuitBreaker(backoff_s, max_backoff_s, **breaker_clock)
+        self._client = self._connect(url, timeout_s)
+        self._lock = threading.Lock()  # counters and warnings
+        self._warned: set[str] = set()
+        self._counters = dict(hits=0, misses=0, puts=0, put_failures=0, corrupt=0,
+                              failures=0, skipped=0, bytes_loaded=0, bytes_stored=0)
+
+    @staticmethod
+    def _connect(url: str, timeout_s: float) -> redis.Redis:
+        try:
+            return redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0), health_check_interval=0, protocol=2,
+                driver_info=None)
+        except ValueError as e:
+            raise ValueError(f"bad remote cache url {redacted_url(url)}: {e}") from None
+
+    def redis_key(self, key: str) -> str:
+        """The server's key for block ``key``. O(1)."""
+        return self.prefix + check_key(key)
+
+    # -- batched calls: one round trip each --------------------------------------------
+
+    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """The verified payload of each key (a read-only view), or None for a miss."""
+        names = [self.redis_key(k) for k in keys]
+        if not names:
+            return []
+        limit = HEADER_LEN + self.max_payload  # GETRANGE's end is inclusive: one byte more
+        replies = self._run(lambda pipe: [pipe.getrange(n, 0, limit) for n in names])
+        if replies is None:
+            self._count(misses=len(names))
+            return [None] * len(names)
+        payloads: list[memoryview | None] = []
+        bad: list[str] = []
+        for key, name, reply in zip(keys, names, replies):
+            payload = self._verified(key, reply)
+            if payload is None and reply:  # b"" is a missing key
+                bad.append(name)
+            payloads.append(payload)
+        hits = [p for p in payloads if p is not None]
+        self._count(hits=len(hits), misses=len(names) - len(hits), corrupt=len(bad),
+                    bytes_loaded=sum(p.nbytes for p in hits))
+        if bad:
+            self._run(lambda pipe: [pipe.delete(n) for n in bad])
+        return payloads
+
+    def put_many(self, blocks: Iterable[tuple[str, Payload, int]]) -> int:
+        """Store each (key, payload, num_tokens); returns how many the server took.
+        Raises ``ValueError`` (before sending anything) for a bad key, token count or
+        payload size."""
+        values = [(self.redis_key(k), self._encode(k, p, n)) for k, p, n in blocks]
+        if not values:
+            return 0
+        if not self._writes.allow():
+            self._count(skipped=1, put_failures=len(values))
+            return 0
+        replies = self._run(lambda pipe: [pipe.set(n, v) for n, v in values])
+        if replies is None:
+            self._count(put_failures=len(values))
+            return 0
+        refused = [r for r in replies if isinstance(r, Exception)]
+        if refused:
+            self._fault(self._writes, "writes refused", refused[0])
+        elif self._writes.succeeded():
+            logger.info("kvbackend: remote tier %s takes writes again", self.url)
+        stored = len(values) - len(refused)
+        self._count(puts=stored, put_failures=len(refused),
+                    bytes_stored=sum(len(v) for (_, v), r in zip(values, replies)
+                                     if not isinstance(r, Exception)))
+        return stored
+
+    def contains_many(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` the server holds (0 when it cannot be asked).
+        A present value may still fail its check when read. Does not touch LRU order."""
+        names = [self.redis_key(k) for k in keys]
+        if not names:
+            return 0
+        replies = self._run(lambda pipe: [pipe.exists(n) for n in names])
+        present = 0
+        for reply in replies or ():
+            if reply != 1:
+                break
+            present += 1
+        return present
+
+    def remove_many(self, keys: Sequence[str]) -> int:
+        """Delete ``keys``; returns how many were present (0 when the server is away)."""
+        names = [self.redis_key(k) for k in keys]
+        replies = self._run(lambda pipe: [pipe.delete(n) for n in names]) if names else None
+        return sum(r for r in replies or () if isinstance(r, int))
+
+    # -- internals ------------------------------------------------------------------
+
+    def _encode(self, key: str, payload: Payload, num_tokens: int) -> bytes:
+        view = as_byte_view(payload)
+        if self.block_nbytes is not None and view.nbytes != self.block_nbytes:
+            raise ValueError(f"payload of {view.nbytes} bytes, but blocks of this tier "
+                             f"hold {self.block_nbytes}")
+        if view.nbytes > _MAX_PAYLOAD:
+            raise ValueError(f"payload of {view.nbytes} bytes, over {_MAX_PAYLOAD}")
+        header = encode_header(self.identity_digest, key, num_tokens, view,
+                               checksum_key=self.checksum_key)
+        return b"".join((header, view))
+
+    def _verified(self, key: str, reply: Any) -> memoryview | None:
+        """The payload of a GETRANGE reply if it passes every check, else None."""
+        if not reply:
+            return None
+        try:
+            if isinstance(reply, Exception):  # WRONGTYPE: not a string
+                raise CorruptBlock(str(reply))
+            return verify_buffer(reply, self.identity_digest, key,
+                                 checksum_key=self.checksum_key,
+                                 max_payload=self.max_payload)[1]
+        except CorruptBlock as e:
+            self._warn_once("corrupt", "kvbackend: remote tier %s: dropping bad value %s%s: %s",
+                            self.url, self.prefix, key, e)
+            return None
+
+    def _run(self, queue: Callable[[Any], Any]) -> list[Any] | None:
+        """One pipelined round trip: ``queue(pipe)`` adds the commands. The replies (a
+        failed command's reply is its exception), or None when the breaker is open or
+        the connection failed. Never raises for the server's state."""
+        if not self._server.allow():
+            self._count(skipped=1)
+            return None
+        try:
+            with self._client.pipeline(transaction=False) as pipe:
+                queue(pipe)
+                replies = pipe.execute(raise_on_error=False)
+        except _CONNECTION_ERRORS as e:
+            self._fault(self._server, "server unavailable", e)
+            self._count(failures=1)
+            return None
+        if self._server.succeeded():
+            logger.info("kvbackend: remote tier %s is back", self.url)
+        return replies
+
+    def _fault(self, breaker: CircuitBreaker, what: str, error: BaseException) -> None:
+        """Open ``breaker``; warn if this begins an outage, else log at debug level."""
+        began = breaker.failed()
+        (logger.warning if began else logger.debug)(
+            "kvbackend: remote tier %s: %s (%s: %s); misses meanwhile, next try in %g s",
+            self.url, what, type(error).__name__, error, breaker.delay_s)
+
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        (logger.warning if first else logger.debug)(msg, *args)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counters[name] += delta
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dict(self._counters)
+        return {**counters, "url": self.url, "identity": self.identity_digest,
+                "server": "up" if self._server.closed else "backing off",
+                "writes": "up" if self._writes.closed else "backing off"}
+
+    def check_invariants(self) -> None:
+        self._server.check_invariants()
+        self._writes.check_invariants()
+        with self._lock:
+            assert all(v >= 0 for v in self._counters.values()), self._counters
+
+    def close(self) -> None:
+        """Close the connections (a later call opens new ones)."""
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r}, identity={self.identity_digest[:12]}..)"

