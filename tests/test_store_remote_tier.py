@@ -4,6 +4,7 @@ stops, pauses or restarts mid-run. The server is started by the tests (tests/red
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from kvbackend.store.block_file import HEADER_LEN, encode_header
 from kvbackend.store.block_key import compute_block_keys
 from kvbackend.store.remote_tier import RemoteTier
-from kvbackend.testing.redis_server import RedisServer, server_binaries
+from kvbackend.testing.redis_server import RedisServer, server_binaries, supports_tls
 from tests.redis_server import require_binary
 from tests.store_helpers import key_of, make_identity, payload_for
 
@@ -97,6 +98,29 @@ def test_bad_url_is_a_clear_error_and_the_password_is_never_shown(caplog):
     assert tier.get_many([key_of(0)]) == [None]  # port 1: refused, a miss
     shown = repr(tier) + str(tier.stats()) + caplog.text
     assert "s3cret" not in shown and "user:***@127.0.0.1:1" in shown
+
+
+def test_a_password_in_the_url(tmp_path, caplog):
+    with RedisServer(require_binary(), tmp_path, password="pa ss") as server:
+        good = RemoteTier(server.url.replace("pa ss", "pa%20ss"), ID, timeout_s=5)
+        assert good.put_many(blocks(1)) == 1 and good.get_many([key_of(0)])[0] is not None
+        wrong = RemoteTier(server.url.replace("pa ss", "wrong"), ID, timeout_s=5)
+        assert wrong.get_many([key_of(0)]) == [None] and wrong.put_many(blocks(1)) == 0
+        assert len(warnings_of(caplog)) == 1 and "wrong" not in caplog.text
+
+
+def test_tls_with_rediss(tmp_path):
+    tls_binaries = [b for b in server_binaries() if supports_tls(b)]
+    if not tls_binaries or shutil.which("openssl") is None:
+        pytest.skip("no server binary built with TLS (Debian's redis-server is), or no openssl")
+    with RedisServer(tls_binaries[0], tmp_path, password="pw", tls=True) as server:
+        assert server.url.startswith("rediss://:pw@")
+        tier = RemoteTier(server.url, ID, timeout_s=5)
+        assert tier.put_many(blocks(2)) == 2
+        assert [bytes(p) for p in tier.get_many([key_of(0), key_of(1)])] == [
+            payload_for(key_of(0)), payload_for(key_of(1))]
+        no_ca = RemoteTier(server.url.partition("?")[0], ID, timeout_s=5)
+        assert no_ca.get_many([key_of(0)]) == [None]  # an unknown CA is refused
 
 
 # ------------------------------------------------------------------ isolation
