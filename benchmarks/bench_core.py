@@ -41,6 +41,7 @@ import time
 import timeit
 
 import numpy as np
+from bench_args import int_list, trace_parser
 
 from kvbackend.core import PrefixCache, as_token_array
 from kvbackend.core.token_ops import TOKEN_DTYPE
@@ -165,20 +166,13 @@ def print_tables(results: list[dict], conversions: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024,8192,32768,131072", help="prompt lengths")
+    parser = trace_parser(__doc__, token_budget=1 << 23, max_requests=512)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--decode", type=int, default=16, help="decode tokens per request")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--token-budget", type=int, default=1 << 23, help="tokens per trace")
-    parser.add_argument("--max-requests", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small run: 1k and 8k, fewer requests")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.token_budget, args.max_requests = "1024,8192", 1 << 18, 64
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    lengths = int_list(args.lengths)
     warm_up = make_trace("shared", 256, 16, np.random.default_rng(args.seed))  # numba JIT/cache
     run_once(warm_up, pool_blocks(256, args), args.block_size, args.decode, check=True)
     started = time.perf_counter()

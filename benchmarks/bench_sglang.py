@@ -4,7 +4,9 @@ What is measured
     Every request goes through the calls SGLang's scheduler makes on its tree cache,
     on SGLang's real classes (Req, ReqToTokenPool, MHATokenToKVPool on device "cpu",
     TokenToKVPoolAllocator at page size 1, PagedTokenToKVPoolAllocator otherwise), one
-    request at a time, each phase timed with time.perf_counter (garbage collector off):
+    request at a time, each phase timed (garbage collector off) in CPU time of this
+    process (time.process_time, so other processes on a shared machine do not count;
+    --wall: time.perf_counter):
         match       Req.init_next_round_input: match_kv_cache -> match_prefix
         lock        tree_cache.lock(req.last_node) + prefix_device_indices(req)
         checkpoint  checkpoint_kv_cache after every prefill chunk but the last
@@ -13,11 +15,14 @@ What is measured
         evict       allocator.evict_to_free_tokens(tree_cache, n) before every allocation
     The allocation itself and the row writes are the same code for both caches and
     are not timed. The KV pool holds about 4 prompts, so eviction runs in steady state.
+    torch runs single-threaded (a scheduler's row and index tensors live on the GPU;
+    here, on the CPU, idle OpenMP threads would spin and count as CPU time).
     Traces (numpy seed --seed, built outside the timed region):
         shared     a system prompt of 70% of the length + a unique question;
         multiturn  conversations of 8 turns; each turn's prompt is the previous one,
                    its output and a new user message (a full hit on the previous turn).
-    Each configuration runs --repeats times on fresh pools, the two caches alternating;
+    Each configuration runs --repeats times on fresh pools, the two caches alternating
+    (after a warm-up that compiles kvbackend's numba kernels);
     the medians are reported as µs per request, and kvbackend / SGLang (< 1: faster).
     Both caches must report the same hit tokens (checked), and their pool accounting
     must balance after each run (SGLang's leak check).
@@ -30,7 +35,6 @@ Run (from the repository root, in the SGLang environment)
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -40,6 +44,7 @@ from array import array
 
 import numpy as np
 import torch
+from bench_args import int_list, trace_parser
 
 warnings.filterwarnings("ignore", message="Only CUDA, MUSA and NPU support GGUF")
 
@@ -111,9 +116,10 @@ class Scheduler:
             page_size=ps))
         self.times = dict.fromkeys(PHASES, 0.0)
         self.hit_tokens = 0
+        self.clock = time.perf_counter if args.wall else time.process_time
 
     def run(self, rid: str, prompt: array, output: array) -> None:
-        clock, t = time.perf_counter, self.times
+        clock, t = self.clock, self.times
         req = Req(rid, "", prompt, SamplingParams(max_new_tokens=len(output)))
         t0 = clock()
         req.init_next_round_input(self.cache)
@@ -147,9 +153,9 @@ class Scheduler:
         """Slots for row positions [start, end): eviction timed, allocation not."""
         ps, row = self.page_size, req.kv.req_pool_idx
         need = (-(-end // ps) - -(-start // ps)) * ps
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.allocator.evict_to_free_tokens(self.cache, need)
-        self.times["evict"] += time.perf_counter() - t0
+        self.times["evict"] += self.clock() - t0
         if ps == 1:
             slots = self.allocator.alloc(end - start)
         else:
@@ -224,33 +230,29 @@ def print_tables(results: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024,8192,32768,131072", help="prompt lengths")
+    parser = trace_parser(__doc__, token_budget=1 << 21, max_requests=64)
     parser.add_argument("--page-sizes", default="1,16")
     parser.add_argument("--traces", default=",".join(TRACES))
     parser.add_argument("--chunk", type=int, default=8192, help="chunked prefill size")
-    parser.add_argument("--decode", type=int, default=16, help="output tokens per request")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--token-budget", type=int, default=1 << 21, help="tokens per trace")
-    parser.add_argument("--max-requests", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wall", action="store_true", help="wall-clock instead of CPU time")
     parser.add_argument("--quick", action="store_true", help="1k and 8k tokens, 2 repeats")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     if args.quick:
         args.lengths, args.repeats = "1024,8192", 2
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    page_sizes = [int(x) for x in args.page_sizes.split(",") if x.strip()]
+    lengths, page_sizes = int_list(args.lengths), int_list(args.page_sizes)
     traces = [t for t in args.traces.split(",") if t.strip()]
     started = time.perf_counter()
     with runtime_context._CONTEXT.override_server_args():  # release_kv_cache reads it
-        run_once(KVBackendRadixCache, 1, make_trace("shared", 256, 8, 4,  # warm-up: numba
-                                                    np.random.default_rng(0)), args)
+        for ps in page_sizes:  # warm-up: compile (or load) kvbackend's numba kernels
+            run_once(KVBackendRadixCache, ps, make_trace("shared", 256, 8, 4,
+                                                         np.random.default_rng(0)), args)
         results = [bench(kind, length, ps, args)
                    for kind in traces for ps in page_sizes for length in lengths]
     print_tables(results)
     print(f"\nchunk {args.chunk}, decode {args.decode}, pool ~{POOL_PROMPTS} prompts, "
-          f"median of {args.repeats}; {time.perf_counter() - started:.0f} s")
+          f"{'wall' if args.wall else 'CPU'} time, median of {args.repeats}; "
+          f"{time.perf_counter() - started:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "results": results}, f, indent=2)

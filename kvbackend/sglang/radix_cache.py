@@ -218,7 +218,7 @@ class KVBackendRadixCache(BasePrefixCache):
         tokens = np.asarray(req.full_untruncated_fill_ids)[:key_len]
         namespace = cache_namespace(req.extra_key, req.cache_salt)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        own_pages = (row[:key_len:ps].to(torch.int64) // ps).cpu().numpy()
+        own_pages = row[:key_len:ps].cpu().numpy().astype(np.int64) // ps
         priority = (req.priority or 0) if self.eviction_policy == "priority" else 0
         try:
             node = self.tree.insert(tokens, own_pages, namespace, priority=priority).node
