@@ -3,6 +3,11 @@
 The same keys arrive from ``--kv-backend-config JSON`` and from
 ``kvbackend.vllm.engine_kwargs(**config)``; they travel to the engine-core
 process inside ``VllmConfig.additional_config["kvbackend"]``.
+
+The plugin imports this module in every vLLM process, so it imports nothing of
+kvbackend's store or core at module level: those load numba (llvmlite), and
+llvmlite loaded before vLLM's worker rebinds its Triton kernels breaks the
+worker's start-up (``_rebind_kernels`` walks ``sys.modules``).
 """
 
 from __future__ import annotations
@@ -10,8 +15,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
-
-from kvbackend.store.checksum_key import load_checksum_key
 
 ADDITIONAL_CONFIG_KEY = "kvbackend"
 # The keys the tier connector reads from ``kv_connector_extra_config``.
@@ -73,6 +76,8 @@ class KVBackendConfig:
     def disk_checksum_key(self) -> bytes | None:
         """The disk tier's checksum key (``disk_cache_key_file``, else
         ``$KVBACKEND_DISK_KEY``), or None; ValueError for a bad one."""
+        from kvbackend.store.checksum_key import load_checksum_key  # lazy: see module doc
+
         try:
             return load_checksum_key(self.disk_cache_key_file)
         except ValueError as e:

@@ -43,3 +43,18 @@ def test_selected_sets_scheduler_and_config():
     assert args.enable_prefix_caching is False and args.async_scheduling is False
     assert args.additional_config[ADDITIONAL_CONFIG_KEY]["max_pinned_fraction"] == 0.25
     assert args.kv_transfer_config is None  # no tier keys: no connector
+
+
+def test_loading_the_plugin_does_not_load_numba():
+    """vLLM loads the plugin in every process, before a worker rebinds its Triton kernels
+    by walking ``sys.modules``; llvmlite (numba's) loaded by then breaks the worker's start."""
+    script = ("import sys\n"
+              "from kvbackend.vllm.plugin import register\n"
+              "register()\n"
+              "from kvbackend.vllm import engine_kwargs\n"
+              "engine_kwargs(host_cache_gb=1)\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
