@@ -62,6 +62,7 @@ def test_round_trip(server, raw):
     assert got[4] is None
     assert tier.contains_many(keys) == 4
     assert tier.contains_many([keys[0], key_of(99), keys[1]]) == 1
+    assert tier.present_many([keys[0], key_of(99), keys[1]]) == [True, False, True]
     assert raw.get(tier.redis_key(keys[0]))[HEADER_LEN:] == payload_for(keys[0], BLOCK)
     assert tier.redis_key(keys[0]) == f"kvb:v2:{ID.digest()}:{keys[0]}"
     assert tier.stats()["hits"] == 4 and tier.stats()["misses"] == 1
@@ -205,11 +206,13 @@ def test_maxmemory_eviction_is_just_a_miss(tmp_path, caplog):
         stored = [(key_of(i), payload_for(key_of(i), 256 << 10), 16) for i in range(64)]
         for i in range(0, 64, 8):  # 16 MiB into 4 MiB
             assert tier.put_many(stored[i:i + 8]) == 8
+        # which keys survive is the server's (sampled LRU; reply buffers count too)
+        present = tier.present_many([k for k, _, _ in stored])
+        assert 0 < sum(present) <= 16
         got = tier.get_many([k for k, _, _ in stored])
-        assert got[0] is None and got[-1] is not None
+        assert sum(p is not None for p in got) <= 16
         assert all(p is None or bytes(p) == payload_for(k, 256 << 10)
                    for (k, _, _), p in zip(stored, got))
-        assert tier.contains_many([k for k, _, _ in stored]) == 0
         assert tier.stats()["corrupt"] == 0 and not warnings_of(caplog)
 
 

@@ -205,18 +205,16 @@ class RemoteTier:
         return stored
 
     def contains_many(self, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` the server holds (0 when it cannot be asked).
-        A present value may still fail its check when read. Does not touch LRU order."""
+        """How many leading ``keys`` the server holds (0 when it cannot be asked)."""
+        present = self.present_many(keys)
+        return present.index(False) if False in present else len(present)
+
+    def present_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the server holds each key (all False when it cannot be asked). A
+        present value may still fail its check when read. Does not touch LRU order."""
         names = [self.redis_key(k) for k in keys]
-        if not names:
-            return 0
-        replies = self._run(lambda pipe: [pipe.exists(n) for n in names])
-        present = 0
-        for reply in replies or ():
-            if reply != 1:
-                break
-            present += 1
-        return present
+        replies = self._run(lambda pipe: [pipe.exists(n) for n in names]) if names else None
+        return [r == 1 for r in replies] if replies is not None else [False] * len(names)
 
     def remove_many(self, keys: Sequence[str]) -> int:
         """Delete ``keys``; returns how many were present (0 when the server is away)."""
