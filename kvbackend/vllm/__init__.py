@@ -18,7 +18,7 @@ from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, TIER_KEYS, KVBackendCon
 
 SCHEDULER_CLS = "kvbackend.vllm.scheduler.KVBackendScheduler"
 TIER_CONNECTOR = "KVBackendTierConnector"
-TIER_CONNECTOR_MODULE = "kvbackend.vllm.tier_connector"
+TIER_CONNECTOR_MODULE = "kvbackend.vllm.tiers.connector"
 OPTIONS_VALIDATOR = "kvbackend.vllm.request_options:KVOptionsValidator"
 
 

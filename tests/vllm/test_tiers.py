@@ -194,7 +194,7 @@ def test_engine_kwargs_select_the_tier_connector_only_with_a_tier():
     assert "kv_transfer_config" not in engine_kwargs()
     kv = engine_kwargs(host_cache_gb=2, disk_cache_dir="/tmp/x", disk_cache_gb=0.5)
     config = kv["kv_transfer_config"]
-    assert config["kv_connector_module_path"] == "kvbackend.vllm.tier_connector"
+    assert config["kv_connector_module_path"] == "kvbackend.vllm.tiers.connector"
     assert config["kv_role"] == "kv_both" and config["kv_load_failure_policy"] == "recompute"
     assert config["kv_connector_extra_config"] == dict(host_cache_gb=2, disk_cache_dir="/tmp/x",
                                                        disk_cache_gb=0.5)

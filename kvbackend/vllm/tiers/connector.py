@@ -1,0 +1,255 @@
+"""Host-memory and disk tiers below the device KV cache, as a vLLM KV connector.
+
+Selected by ``engine_kwargs(host_cache_gb=..., disk_cache_dir=..., disk_cache_gb=...)``
+(or the same keys in ``--kv-backend-config``), which set ``kv_transfer_config``
+to this module. vLLM makes two kinds of instances, and this class only adapts
+vLLM's calls to the part of its role:
+
+  SCHEDULER (engine-core process): ``TierPlanner`` decides everything.
+    ``get_num_new_matched_tokens`` -> ``lookup`` (synchronous loads; prompts with
+    multimodal inputs or embeddings are never looked up: token ids do not name
+    their KV), ``update_state_after_alloc`` -> ``allocated``,
+    ``get_external_cache_hit_sources`` -> vLLM's ``CacheHitSource`` per tier,
+    ``build_connector_meta`` -> ``plan_step`` (the orders travel as ``TierMetadata``),
+    ``update_connector_output`` -> ``step_finished`` (``kv_load_failure_policy``
+    is "recompute"; the manager publishes loaded tokens only once they are known
+    good), ``request_finished``, and ``reset_cache`` -> ``reset``.
+  WORKER (each worker process): ``TierWorker`` carries out the orders:
+    ``start_load_kv`` (before the forward pass when the step loads) ->
+    ``start_step``, ``wait_for_save`` (after it) -> ``finish_step``,
+    ``get_block_ids_with_load_errors`` -> ``take_load_errors``.
+
+Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
+disk tier separates TP ranks by directory and header, and a disk hit needs the
+block on every rank. A cache directory other users could write to stops the
+engine at start (``UnsafeCacheDirectory``); after that, best effort throughout:
+nothing here raises into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvbackend.ops import BlockMover, block_layout
+from kvbackend.store import CacheIdentity, DiskTier, HostTier
+from kvbackend.vllm.config import TIER_KEYS, KVBackendConfig
+from kvbackend.vllm.namespace import namespace_bytes, request_namespace
+from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
+from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, StepOrders
+from kvbackend.vllm.tiers.planner import TierPlanner
+from kvbackend.vllm.tiers.worker import TierWorker, cache_layers
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvbackend.tiers")
+
+_GIB = 1 << 30
+HIT_SOURCES = {Source.HOST: CacheHitSource.HOST, Source.DISK: CacheHitSource.DISK}
+
+
+@dataclass
+class TierMetadata(KVConnectorMetadata):
+    """One step's orders, as vLLM ships them to every worker."""
+
+    orders: StepOrders = field(default_factory=StepOrders)
+
+
+class KVBackendTierConnector(KVConnectorBase_V1):
+    """kvbackend's host/disk tier connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("kvbackend's tier connector needs vLLM to pass kv_cache_config")
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = KVBackendConfig.from_dict({k: extra[k] for k in TIER_KEYS if k in extra})
+        self.kv_cache_config = kv_cache_config
+        self.block_nbytes = block_nbytes(kv_cache_config)
+        self.planner: TierPlanner | None = None
+        self.worker = TierWorker(None)  # until register_kv_caches sets up the tiers
+        self._requests: dict[str, Request] = {}  # scheduler: the requests the planner knows
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = self._make_planner()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.settings.host_cache_gb * _GIB)
+
+    # ================================================================ scheduler
+    def _make_planner(self) -> TierPlanner | None:
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        try:
+            identity = tier_identity(self._vllm_config, self.kv_cache_config, tp_rank=0)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvbackend tiers: disabled, cannot build the cache identity: %s", e)
+            return None
+        disks = [self._disk_tier(replace(identity, tp_rank=rank), probe_only=True)
+                 for rank in range(identity.tp_size)] if self.settings.disk_cache_dir else []
+        capacity = self.host_bytes // self.block_nbytes if self.block_nbytes else 0
+        logger.info("kvbackend tiers: host %.2f GiB (%d blocks of %d bytes), disk %s; identity %s",
+                    self.settings.host_cache_gb, capacity, self.block_nbytes,
+                    self.settings.disk_cache_dir or "off", identity.digest()[:16])
+        return TierPlanner(spec.block_size, identity.digest(), capacity,
+                           (lambda key: all(d.contains(key) for d in disks)) if disks else None)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        planner = self.planner
+        if planner is None or request.mm_features or request.prompt_embeds is not None:
+            return 0, False
+        try:
+            self._requests[request.request_id] = request
+            return planner.lookup(request.request_id, request.all_token_ids,
+                                  namespace_bytes(request_namespace(request)),
+                                  num_computed_tokens), False
+        except Exception:  # noqa: BLE001 - never fail the scheduler for a cache
+            logger.exception("kvbackend tiers: lookup failed; treating as a miss")
+            planner.request_finished(request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if self.planner is None:
+            return
+        (block_ids,) = blocks.get_block_ids()
+        try:
+            self.planner.allocated(request.request_id, block_ids, num_external_tokens)
+        except Exception:  # noqa: BLE001
+            logger.exception("kvbackend tiers: planning loads failed; they are recomputed")
+            self.planner.forget_host()
+            if num_external_tokens:
+                self.planner.fail_loads(request.request_id, block_ids)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if self.planner is not None:
+            sources = self.planner.hit_sources(request.request_id, num_external_tokens)
+            if sources:
+                return {HIT_SOURCES[source]: n for source, n in sources.items()}
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.planner is None:
+            return TierMetadata()
+        scheduled = []
+        state = scheduler_output.kv_connector_block_state
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            block_ids = state.get_block_ids(request_id) if state is not None else None
+            if request is not None and block_ids is not None:
+                scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens,
+                                                  num_tokens, block_ids[0]))
+        try:
+            return TierMetadata(self.planner.plan_step(scheduled))
+        except Exception:  # noqa: BLE001
+            logger.exception("kvbackend tiers: planning saves failed; the host tier starts over")
+            self.planner.forget_host()
+            return TierMetadata(self.planner.plan_step(()))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.planner is not None:
+            self.planner.step_finished(connector_output.invalid_block_ids or ())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._requests.pop(request.request_id, None)
+        if self.planner is not None:
+            self.planner.request_finished(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        """After a weight update: see ``TierPlanner.reset`` (host cleared, disk off)."""
+        if self.planner is not None:
+            if self.planner.disk_contains is not None:
+                logger.warning("kvbackend tiers: reset_prefix_cache(reset_connector=True): the "
+                               "disk tier is off for the rest of this process (the weights in "
+                               "memory may no longer match the files that name its blocks)")
+            self.planner.reset()
+        self._requests.clear()
+        return True
+
+    # =================================================================== worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self.worker = TierWorker(self._make_mover(kv_caches))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvbackend tiers: disabled on this worker (its loads are "
+                           "recomputed): %s", e)
+
+    def _make_mover(self, kv_caches: dict[str, torch.Tensor]) -> BlockMover:
+        config = self.kv_cache_config
+        group = config.kv_cache_groups[0]
+        layers, block_dim = cache_layers(kv_caches, group.layer_names, config.num_blocks)
+        layout = block_layout(layers, block_dim)
+        if layout.block_nbytes != self.block_nbytes:
+            raise ValueError(f"a block holds {layout.block_nbytes} bytes over all layers, "
+                             f"expected {self.block_nbytes} from the KV cache spec")
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - not initialised: a single worker
+            rank = 0
+        host = HostTier(self.host_bytes) if self.host_bytes > 0 else None
+        disk = None
+        if self.settings.disk_cache_dir is not None:
+            disk = self._disk_tier(tier_identity(self._vllm_config, config, tp_rank=rank),
+                                   checksum_key=self.settings.disk_checksum_key())
+            if disk.mode != "rw":
+                logger.warning("kvbackend tiers: disk tier at %s is %s; the server keeps "
+                               "serving without persisting KV blocks", self.settings.disk_cache_dir,
+                               "read-only" if disk.mode == "ro" else "disabled")
+        return BlockMover(layers, block_dim, self.block_nbytes, group.kv_cache_spec.block_size,
+                          host, disk)
+
+    def _disk_tier(self, identity: CacheIdentity, **options: Any) -> DiskTier:
+        """The disk tier of one rank: ``disk_cache_gb`` split evenly across the ranks.
+        Raises ``UnsafeCacheDirectory`` for a directory other users could write to."""
+        settings = self.settings
+        bound = int(settings.disk_cache_gb * _GIB) // identity.tp_size
+        return DiskTier(settings.disk_cache_dir, bound, identity, block_nbytes=self.block_nbytes,
+                        shared_group=settings.disk_cache_shared_group, **options)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        orders = self._orders()
+        if orders is not None:
+            self.worker.start_step(orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are synchronous and complete before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # saves gather all layers at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        orders = self._orders()
+        if orders is not None:
+            self.worker.finish_step(orders)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def _orders(self) -> StepOrders | None:
+        meta = self._connector_metadata
+        return meta.orders if isinstance(meta, TierMetadata) else None
+
+
+__all__ = ["HIT_SOURCES", "KVBackendTierConnector", "TierMetadata"]

@@ -1,0 +1,70 @@
+"""What the tier planner and the tier workers say to each other, as plain values.
+
+The planner (scheduler process) turns vLLM's scheduling decisions into one
+``StepOrders`` per step; vLLM ships it to every worker inside the step's
+``KVConnectorMetadata``. Everything here is a NamedTuple, a tuple or an Enum:
+immutable, cheap to pickle, and free of vLLM imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple
+
+
+class Source(Enum):
+    """The tier a hit block is loaded from (the connector maps it to vLLM's CacheHitSource)."""
+
+    HOST = "host"
+    DISK = "disk"
+
+
+class LoadOrder(NamedTuple):
+    """Fill block ``block_id`` (all layers) with ``key``'s KV, from host memory, else
+    from disk; with ``promote``, a block read from disk is kept in host memory too."""
+
+    request_id: str
+    block_id: int
+    key: str
+    promote: bool
+
+
+class SaveOrder(NamedTuple):
+    """Copy block ``block_id`` (all layers, complete after this step's forward pass)
+    into the host tier and/or the disk tier under ``key``."""
+
+    request_id: str
+    block_id: int
+    key: str
+    to_host: bool
+    to_disk: bool
+
+
+class StepOrders(NamedTuple):
+    """One step's orders; every worker applies them in field order:
+
+    before the forward pass: ``clear_host`` (empty the host tier), ``disk_off`` (stop
+    reading and writing the disk tier for good), ``drops`` (keys to remove from the
+    host tier), ``loads``, and ``failed`` (block ids to report as failed loads
+    without trying); after it: ``saves``.
+    """
+
+    clear_host: bool = False
+    disk_off: bool = False
+    drops: tuple[str, ...] = ()
+    loads: tuple[LoadOrder, ...] = ()
+    failed: tuple[int, ...] = ()
+    saves: tuple[SaveOrder, ...] = ()
+
+
+class ScheduledRequest(NamedTuple):
+    """A request scheduled in the step being planned, as the planner needs it."""
+
+    request_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+    block_ids: Sequence[int]  # the request's whole block table
+
+
+__all__ = ["LoadOrder", "SaveOrder", "ScheduledRequest", "Source", "StepOrders"]

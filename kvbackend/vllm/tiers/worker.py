@@ -1,0 +1,112 @@
+"""The worker side of the host and disk tiers: each step's ``StepOrders``, carried out.
+
+``TierWorker`` moves bytes through a ``kvbackend.ops.BlockMover``, a block (all
+layers) at a time, without staging copies on a CPU cache:
+
+  ``start_step``   before the forward pass: clear the host tier / stop using the disk
+                   when told, apply the drops, then load each block from host, else
+                   disk (read straight into its buffer and verified there: checksum,
+                   identity, size) and scatter it into its block of every layer.
+  ``finish_step``  after the forward pass, when the bytes are final: gather each saved
+                   block straight into the array the host tier keeps and/or write it to
+                   the disk tier (atomic, checksummed), unless its file already exists.
+  ``take_load_errors``  the blocks that missed or failed verification since the last
+                   call; they were scattered nowhere. vLLM unions every rank's errors
+                   and recomputes from each request's first failed block.
+
+Saves run here rather than in the next step: on the CPU there is no copy engine
+to overlap with, and a block must be read before any later step can reuse it.
+Best effort: nothing here raises into vLLM; a failed save is a future miss and
+a failed load is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvbackend.ops import BlockMover
+from kvbackend.vllm.tiers.messages import StepOrders
+
+logger = logging.getLogger("kvbackend.tiers")
+
+
+class TierWorker:
+    """One worker's tiers and the orders it has carried out. Without a mover (the
+    tiers could not be set up on this worker) every load fails and nothing is
+    saved. Calls must not overlap."""
+
+    def __init__(self, mover: BlockMover | None) -> None:
+        self.mover = mover
+        self._load_errors: set[int] = set()
+
+    def start_step(self, orders: StepOrders) -> None:
+        """Clears, drops and loads, before the forward pass. O(drops + loaded bytes)."""
+        mover = self.mover
+        self._load_errors.update(orders.failed)
+        if mover is None:
+            self._load_errors.update(o.block_id for o in orders.loads)
+            return
+        try:
+            if orders.clear_host and mover.host is not None:
+                mover.host.evict_to(0)
+            if orders.disk_off:
+                mover.disk = None
+            if mover.host is not None:
+                for key in orders.drops:
+                    mover.host.remove(key)
+        except Exception:  # noqa: BLE001 - never fail the step for a cache
+            logger.exception("kvbackend tiers: dropping host blocks failed")
+        if not orders.loads:
+            return
+        try:
+            done = mover.load_many([(o.block_id, o.key, o.promote) for o in orders.loads])
+        except Exception:  # noqa: BLE001
+            logger.exception("kvbackend tiers: loading blocks failed; they are recomputed")
+            done = [False] * len(orders.loads)
+        self._load_errors.update(o.block_id for o, ok in zip(orders.loads, done) if not ok)
+
+    def finish_step(self, orders: StepOrders) -> None:
+        """The saves, after the forward pass. O(saved bytes) plus a stat per disk save."""
+        mover = self.mover
+        if mover is None:
+            return
+        try:
+            for order in orders.saves:
+                to_disk = (order.to_disk and mover.disk is not None
+                           and not mover.disk.contains(order.key))
+                mover.save(order.block_id, order.key, order.to_host, to_disk)
+        except Exception:  # noqa: BLE001
+            logger.exception("kvbackend tiers: saving blocks failed; they will be recomputed "
+                             "when needed")
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call. O(1)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+
+def cache_layers(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
+                 num_blocks: int) -> tuple[list[torch.Tensor], int]:
+    """The distinct KV tensors of ``layer_names`` and the dimension that indexes their
+    ``num_blocks`` blocks (vLLM's CPU layout ``[2, num_blocks, ...]``: 1). Raises
+    ValueError for a layout this cannot place. O(layers)."""
+    layers, seen = [], set()
+    for name in layer_names:
+        tensor = kv_caches.get(name)
+        if tensor is None:
+            raise ValueError(f"no KV cache tensor for layer {name}")
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            layers.append(tensor)
+    shape = list(layers[0].shape)
+    dims = [d for d, size in enumerate(shape) if size == num_blocks]
+    if not dims:
+        raise ValueError(f"no dimension of the KV cache shape {shape} indexes {num_blocks} blocks")
+    block_dim = 1 if len(dims) > 1 and shape[0] == 2 and 1 in dims else dims[0]
+    return layers, block_dim
+
+
+__all__ = ["TierWorker", "cache_layers"]
