@@ -14,7 +14,11 @@ Tokens are published to the tree when they are scheduled, as vLLM does: a
 request admitted in the same step may share those *full* blocks, because every
 layer writes the whole batch's KV before it attends. A *partial* hit is served
 by copying its block before the forward pass, so it must not come from a block
-written in the current step: such hits are cut back to the last full block.
+written in the current step: such a hit falls back to the longest one whose
+partial block is older (a node higher on the path, e.g. the conversation two
+branches continue, holds its own copy), else to the last full block. Each
+fallback is one more match, O(depth + tokens), and only while a match ends in a
+block written this step.
 
 Tokens loaded by kvbackend's tier connector (host memory / disk) arrive as
 ``num_external_computed_tokens``: they get fresh blocks right after the device
@@ -96,9 +100,10 @@ class KVBackendManager(KVCacheManager):
             limit = min(limit, request.num_prompt_tokens)
         tokens = tracked.tokens.sync(request.all_token_ids)
         match = self.cache.match(tokens, tracked.namespace, max_tokens=limit)
-        if match.num_partial_tokens and match.partial_block_id in self._written_this_step:
-            match = self.cache.match(tokens, tracked.namespace,
-                                     max_tokens=match.num_full_blocks * self.block_size)
+        while match.num_partial_tokens and match.partial_block_id in self._written_this_step:
+            # A node higher on the path may hold its own, older copy of that block.
+            fallback = max(match.node.start, match.num_full_blocks * self.block_size)
+            match = self.cache.match(tokens, tracked.namespace, max_tokens=fallback)
         tracked.match = match
         return self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens, 0
 
