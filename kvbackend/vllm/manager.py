@@ -31,6 +31,41 @@ that loads is *not* published to the tree in its admission step; its next
 vLLM has by then cut ``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
 the same blocks. Nothing another request can match ever comes from a failed load.
+
+vLLM's ``KVCacheManager`` surface (``tests/vllm/test_manager_surface.py`` fails
+when vLLM adds a public member that this table does not name):
+
+    member                             kvbackend   why
+    get_computed_blocks                overridden  token-exact tree match
+    allocate_slots                     overridden  open / extend a sequence, publish
+    free                               overridden  publish, then release
+    cache_blocks                       overridden  publish what a failed load left valid
+    get_blocks                         overridden  the sequence's block table
+    estimate_cached_tokens             overridden  tokens under the locked node
+    usage                              overridden  held blocks of kvbackend's pool
+    reset_prefix_cache                 overridden  clears the tree
+    take_kv_cache_block_copies         overridden  copy-on-write copies of partial hits
+    new_step_starts                    overridden  copies ran; step's writes are done
+    evict_blocks                       overridden  checks no failed block is published
+    remove_skipped_blocks              overridden  full attention: nothing leaves a window
+    pop_blocks_for_free                overridden  deferred frees are refused
+    finalize_partial_tail_offloads     overridden  Mamba "align" only: none
+    get_computed_blocks_for_connector  inherited   not Mamba: calls get_computed_blocks
+    get_block_ids                      inherited   reads get_blocks
+    get_block_ids_for_computed_tokens  inherited   clips get_block_ids
+    truncate_computed_blocks           inherited   slices a lookup result, one group
+    create_kv_cache_blocks             inherited   wraps block lists
+    prefix_cache_lookup_enabled        inherited   enable_caching is True, honours
+                                                   skip_reading_prefix_cache
+    record_prefix_cache_stats          inherited   fills prefix_cache_stats
+    make_prefix_cache_stats            inherited   drains prefix_cache_stats
+    get_num_common_prefix_blocks       inherited   deprecated, zeros
+    take_new_block_ids                 inherited   zeroing is for Mamba / mixed
+                                                   precision only: vLLM's unused
+                                                   pool records nothing, []
+    record_blocks_for_zeroing          inherited   same: no group records ids
+    take_boundary_state_offloads       inherited   Mamba "align" only: {}
+    take_events                        inherited   vLLM's unused pool: no events
 """
 
 from __future__ import annotations
