@@ -189,6 +189,7 @@ def _logs(capfd) -> str:
 def test_engine_kwargs_select_the_tier_connector_only_with_a_tier():
     from vllm.config import KVTransferConfig
 
+    from kvbackend.vllm import KVBackendConfig
     from kvbackend.vllm.scheduler import is_tier_connector
 
     assert "kv_transfer_config" not in engine_kwargs()
@@ -196,8 +197,9 @@ def test_engine_kwargs_select_the_tier_connector_only_with_a_tier():
     config = kv["kv_transfer_config"]
     assert config["kv_connector_module_path"] == "kvbackend.vllm.tiers.connector"
     assert config["kv_role"] == "kv_both" and config["kv_load_failure_policy"] == "recompute"
-    assert config["kv_connector_extra_config"] == dict(host_cache_gb=2, disk_cache_dir="/tmp/x",
-                                                       disk_cache_gb=0.5)
+    extra = config["kv_connector_extra_config"]  # what the connector rebuilds its settings from
+    assert KVBackendConfig.from_dict(extra) == KVBackendConfig(
+        host_cache_gb=2, disk_cache_dir="/tmp/x", disk_cache_gb=0.5)
     assert kv["additional_config"]["kvbackend"]["host_cache_gb"] == 2
     assert is_tier_connector(KVTransferConfig(**config))
     assert not is_tier_connector(KVTransferConfig(kv_connector="OffloadingConnector",
