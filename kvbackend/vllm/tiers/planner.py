@@ -189,12 +189,14 @@ class TierPlanner:
     def fail_loads(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Have every worker report ``block_ids`` as failed loads (vLLM then recomputes
         the request from its first block): the safe answer to tokens vLLM adopted
-        that no load order will fill. O(blocks)."""
+        that no load order will fill. Its saves wait for the next step, as after any
+        load. O(blocks)."""
         st = self._requests.get(request_id)
         if st is not None:
             self._end_lookup(st)
             st.sources = {}
         self._failed.extend(block_ids)
+        self._step_loads.setdefault(request_id, _Loads())
 
     def hit_sources(self, request_id: str, num_external_tokens: int) -> dict[Source, int]:
         """Tokens per tier of the request's last load, if they add up to
