@@ -65,7 +65,7 @@ when vLLM adds a public member that this table does not name):
                                                    pool records nothing, []
     record_blocks_for_zeroing          inherited   same: no group records ids
     take_boundary_state_offloads       inherited   Mamba "align" only: {}
-    take_events                        inherited   vLLM's unused pool: no events
+    take_events                        overridden  kvbackend's device block events
 """
 
 from __future__ import annotations
@@ -74,12 +74,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.request import Request, RequestStatus
 
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer
 from kvbackend.vllm.config import KVBackendConfig
+from kvbackend.vllm.kv_events import DeviceBlockEvents
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.request_options import (
     DEFAULT_OPTIONS, RequestOptionError, RequestOptions, parse_request_options,
@@ -109,7 +111,8 @@ def _cdiv(a: int, b: int) -> int:
 class KVBackendManager(KVCacheManager):
     """A drop-in ``KVCacheManager`` for single-group (full attention) models."""
 
-    def __init__(self, *args: Any, backend_config: KVBackendConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, backend_config: KVBackendConfig,
+                 kv_events: DeviceBlockEvents | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.num_kv_cache_groups != 1:
             raise ValueError(
@@ -123,6 +126,7 @@ class KVBackendManager(KVCacheManager):
         self._block_objects = [KVCacheBlock(i) for i in range(num_blocks)]
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step: set[int] = set()
+        self.kv_events = kv_events  # set with --kv-events-config
 
     # ------------------------------------------------------------- lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
@@ -191,15 +195,18 @@ class KVBackendManager(KVCacheManager):
             seq = self.cache.open_sequence(match, total)
             if seq is None:
                 return None
+            allocated = seq.block_ids[match.num_full_blocks:]
             tracked.sequence, tracked.match = seq, None
             self.cache.tree.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
-            new_block_ids = seq.block_ids
+            new_block_ids = seq.block_ids  # all of them are new to the request's table
         else:
             if _cdiv(total, self.block_size) - len(seq.block_ids) > headroom:
                 return None
-            new_block_ids = self.cache.extend(seq, max(total, seq.num_tokens))
+            new_block_ids = allocated = self.cache.extend(seq, max(total, seq.num_tokens))
             if new_block_ids is None:
                 return None
+        if self.kv_events is not None:
+            self.kv_events.reused(allocated)
         end = computed + num_new_tokens
         first_written = (computed - num_external_computed_tokens) // self.block_size
         self._written_this_step.update(
@@ -252,6 +259,8 @@ class KVBackendManager(KVCacheManager):
         if self.cache.sequences:
             return False
         self.cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
@@ -272,6 +281,18 @@ class KVBackendManager(KVCacheManager):
         """Copies for the worker to run before this step's forward pass; their
         source blocks stay held until the next step starts."""
         return [KVCacheBlockCopy(c.src, c.dst) for c in self.cache.take_block_copies()], []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """This step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` for the
+        device blocks (``--kv-events-config``); see ``kv_events.py``."""
+        if self.kv_events is None:
+            return []
+        events = self.kv_events.take()
+        kind, window = self.kv_cache_event_metadata[0]
+        for event in events:
+            if isinstance(event, BlockStored):
+                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = kind, window
+        return events
 
     def new_step_starts(self) -> None:
         super().new_step_starts()
@@ -312,7 +333,11 @@ class KVBackendManager(KVCacheManager):
         if not (force or in_prefill or num_tokens // self.block_size > done // self.block_size):
             return
         tokens = tracked.tokens.sync(request.all_token_ids)[:num_tokens]
-        self.cache.cache(tracked.sequence, tokens, priority=tracked.priority)
+        num_new = self.cache.cache(tracked.sequence, tokens, priority=tracked.priority)
+        if self.kv_events is not None and num_new:
+            self.kv_events.stored(request, tokens, tracked.sequence.block_ids,
+                                  (num_tokens - num_new) // self.block_size,
+                                  num_tokens // self.block_size)
         tracked.num_published = num_tokens
         if tracked.pin and done < request.num_prompt_tokens <= num_tokens:
             if not self.cache.pin(tokens[: request.num_prompt_tokens], tracked.namespace):

@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, KVCacheConfig, 
 
 from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
+from kvbackend.vllm.kv_events import DeviceBlockEvents
 from kvbackend.vllm.manager import KVBackendManager
 
 
@@ -90,6 +91,8 @@ class KVBackendScheduler(Scheduler):
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
+            kv_events=DeviceBlockEvents(self.cache_config.prefix_caching_hash_algo,
+                                        self.block_size) if self.enable_kv_cache_events else None,
         )
         if self.connector is not None:  # kvbackend's tier connector (checked above)
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
