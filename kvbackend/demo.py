@@ -1,7 +1,7 @@
 """kvbackend vs vLLM's own prefix caching, three workloads on one screen (``make demo``).
 
-Builds a tiny random Llama under ``.cache/demo-model`` (nothing is downloaded) and
-runs three engines one after another, with a device KV cache of 3072 tokens:
+Builds a small random Llama (hidden 256, 4 layers) under ``.cache/demo-model`` (nothing
+is downloaded) and runs three engines one after another, device KV cache 3072 tokens:
 
 1. kvbackend with a host tier and a disk tier (under ``.cache/demo-disk``, emptied first);
 2. vLLM with its own (block-hashed) prefix caching;
@@ -30,7 +30,8 @@ import time
 from typing import Any, TextIO
 
 BLOCK_SIZE = 32  # the smallest block vLLM's CPU attention accepts; it makes the gap visible
-BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # tiny Llama: (K, V) * layers * kv heads * head dim * fp32
+MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512)
+BYTES_PER_TOKEN = 2 * 4 * 4 * 64 * 4  # (K, V) * layers * kv heads * head dim * float32
 DEVICE_TOKENS = 3072
 SHARED_LEN, QUESTIONS = 1000, 8  # 31 full blocks + 8 tokens
 DOCS, DOC_LEN, ROUNDS = 6, 1000, 3  # 6000 tokens: twice the device cache
@@ -163,15 +164,15 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(disk, ignore_errors=True)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     screen = quiet_fds(log_path)
-    print(f"kvbackend demo: tiny random Llama in {args.model_dir}, block {BLOCK_SIZE}, device KV "
+    print(f"kvbackend demo: random Llama (hidden 256, 4 layers) in {args.model_dir}, block {BLOCK_SIZE}, device KV "
           f"{DEVICE_TOKENS} tokens; engine logs in {log_path}", file=screen, flush=True)
     try:
         import kvbackend.vllm
         from kvbackend.testing.tiny_model import build_tiny_llama
 
-        model = build_tiny_llama(args.model_dir)
+        model = build_tiny_llama(args.model_dir, **MODEL)
         work = Workloads()
-        tiers = kvbackend.vllm.engine_kwargs(host_cache_gb=0.05, disk_cache_dir=disk)
+        tiers = kvbackend.vllm.engine_kwargs(host_cache_gb=0.2, disk_cache_dir=disk)
         steps = [("kvbackend, host + disk tiers", tiers, run_workloads),
                  ("vLLM, its own prefix caching", {"enable_prefix_caching": True}, run_workloads),
                  ("kvbackend restarted on the same disk directory", tiers, first_request)]
