@@ -164,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(disk, ignore_errors=True)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     screen = quiet_fds(log_path)
-    print(f"kvbackend demo: random Llama (hidden 256, 4 layers) in {args.model_dir}, block {BLOCK_SIZE}, device KV "
-          f"{DEVICE_TOKENS} tokens; engine logs in {log_path}", file=screen, flush=True)
+    print(f"kvbackend demo: random Llama (hidden 256, 4 layers) in {args.model_dir}, block "
+          f"{BLOCK_SIZE}, device KV {DEVICE_TOKENS} tokens; engine logs in {log_path}",
+          file=screen, flush=True)
     try:
         import kvbackend.vllm
         from kvbackend.testing.tiny_model import build_tiny_llama
