@@ -11,13 +11,16 @@ longer than that is prefilled in chunks.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 
 import pytest
 from vllm import SamplingParams
 
 from tests.token_reference import lcp
-from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
+from tests.vllm.conftest import BLOCK_SIZE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -151,24 +154,16 @@ def test_cache_salts_never_share(kvbackend_llm, reference_llm):
     assert hits == {"tenant-a": [0, len(prompt) - 1], "tenant-b": [0], None: [0]}
 
 
-
 def test_branches_admitted_together_fall_back_to_the_older_partial_block(
-        tiny_model, reference_llm, monkeypatch):
+        tiny_model, reference_llm):
     """Two branches of one conversation in one step: the second matches into the block
     the first is writing now, so it must fall back to the conversation's own partial
-    block (written in an earlier step), not to the last full block. The engine runs
-    in this process, so both branches are queued before its next step."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    llm = make_engine(tiny_model, "kvbackend")
-    try:
-        rng = random.Random(7)
-        conversation = tokens(rng, BLOCK_SIZE + 8)  # ends 8 tokens into its second block
-        common = tokens(rng, 8, first=11)  # both branches share it, still inside that block
-        branches = [conversation + common + tokens(rng, 20, first=20 + i) for i in range(2)]
-        run(llm, [conversation])
-        got = run(llm, branches)
-        want = run(reference_llm, branches)
-        assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
-        assert [g.num_cached_tokens for g in got] == [len(conversation)] * 2
-    finally:
-        shutdown(llm)
+    block (written in an earlier step), not to the last full block."""
+    done = subprocess.run([sys.executable, "-m", "tests.vllm.same_step_branches", tiny_model],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith('{"conversation"')]
+    result = json.loads(line)
+    want = run(reference_llm, result["prompts"])
+    assert result["outputs"] == [list(w.outputs[0].token_ids) for w in want]
+    assert result["cached"] == [len(result["conversation"])] * 2
