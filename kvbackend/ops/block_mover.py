@@ -29,8 +29,12 @@ class BlockMover:
       it is promoted to host, else into a reused staging row, then scattered. Disk
       reads run ahead on ``READERS`` threads (``readinto`` and BLAKE3 release the
       GIL), at most ``2 * READERS`` blocks ahead of the scatters, in order.
+    * ``load_payloads``: blocks another tier handed over in memory (the remote
+      tier's verified values) are copied into a row (kept in host if promoted) and
+      scattered.
     * ``save``: a block is gathered straight into the array the host tier keeps
-      (or into a staging row when it goes to disk only) and written from there.
+      (or into a staging row when it goes to disk only) and written from there;
+      ``gather`` copies a block into a fresh row (for the remote tier's writer).
 
     On a CPU cache a block costs one memcpy, plus one checksum pass when it comes
     from or goes to disk; apart from the arrays the host tier keeps, nothing is
@@ -75,6 +79,23 @@ class BlockMover:
         finally:  # after an error too: no read may still be writing into a staging row
             wait([read for _, read, _, _ in reads])
         return done
+
+    def load_payloads(self, loads: list[tuple[int, str, memoryview, bool]]) -> None:
+        """For each (block id, key, payload of ``block_nbytes``, promote): fill that block
+        of every layer with the payload (and keep a copy in host if ``promote``)."""
+        for block_id, key, payload, promote in loads:
+            keep = promote and self.host is not None
+            row = self._new_row() if keep else self._staging[0]
+            row[:] = np.frombuffer(payload, dtype=np.uint8)
+            if keep:
+                self.host.put(key, row, self.block_size)
+            self._scatter(row, block_id)
+
+    def gather(self, block_id: int) -> np.ndarray:
+        """A fresh host copy of block ``block_id`` of every layer."""
+        row = self._new_row()
+        self._gather(block_id, row)
+        return row
 
     def save(self, block_id: int, key: str, to_host: bool, to_disk: bool) -> None:
         """Copy block ``block_id`` of every layer into the host tier and/or the disk tier."""

@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 ADDITIONAL_CONFIG_KEY = "kvbackend"
 # The keys the tier connector reads from ``kv_connector_extra_config``.
 TIER_KEYS = ("host_cache_gb", "disk_cache_dir", "disk_cache_gb", "disk_cache_key_file",
-             "disk_cache_shared_group")
+             "disk_cache_shared_group", "remote_cache_url", "remote_cache_key_file")
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,12 @@ class KVBackendConfig:
     ``disk_cache_key_file``: a 0600 file holding a 32-byte key for keyed BLAKE3
     checksums (else ``$KVBACKEND_DISK_KEY``, else unkeyed);
     ``disk_cache_shared_group``: share the directory within a group (2770/0660;
-    default: private to this user, 0700/0600).
+    default: private to this user, 0700/0600);
+    ``remote_cache_url``: a Redis or Valkey server that a fleet of instances shares,
+    below host and disk (``redis://[[user]:password@]host[:port][/db]``, ``rediss://``
+    for TLS, ``unix://path``; None: off); ``remote_cache_key_file``: a 0600 file
+    holding a 32-byte key for keyed checksums of remote blocks (every instance of the
+    fleet needs the same one; without it, unkeyed).
     """
 
     max_pinned_fraction: float = 0.5
@@ -46,6 +53,8 @@ class KVBackendConfig:
     disk_cache_gb: float = 16.0
     disk_cache_key_file: str | None = None
     disk_cache_shared_group: bool = False
+    remote_cache_url: str | None = None
+    remote_cache_key_file: str | None = None
 
     def __post_init__(self) -> None:
         value = self.max_pinned_fraction
@@ -56,7 +65,7 @@ class KVBackendConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < float("inf"):
                 raise ValueError(f"kvbackend: {name} must be a finite number >= 0, got {value!r}")
-        for name in ("disk_cache_dir", "disk_cache_key_file"):
+        for name in ("disk_cache_dir", "disk_cache_key_file", "remote_cache_key_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"kvbackend: {name} must be a non-empty string (a path), "
@@ -64,6 +73,7 @@ class KVBackendConfig:
         if not isinstance(self.disk_cache_shared_group, bool):
             raise ValueError(f"kvbackend: disk_cache_shared_group must be true or false, "
                              f"got {self.disk_cache_shared_group!r}")
+        self._check_remote()
         if self.disk_cache_dir is None:
             if self.disk_cache_key_file is not None:
                 raise ValueError("kvbackend: disk_cache_key_file needs disk_cache_dir")
@@ -83,10 +93,43 @@ class KVBackendConfig:
         except ValueError as e:
             raise ValueError(f"kvbackend: {e}") from None
 
+    def _check_remote(self) -> None:
+        url = self.remote_cache_url
+        if url is None:
+            if self.remote_cache_key_file is not None:
+                raise ValueError("kvbackend: remote_cache_key_file needs remote_cache_url")
+            return
+        if not isinstance(url, str):
+            raise ValueError(f"kvbackend: remote_cache_url must be a string, got {url!r}")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError as e:
+            raise ValueError(f"kvbackend: remote_cache_url is not a valid URL: {e}") from None
+        if parts.scheme not in REMOTE_SCHEMES or not (parts.hostname or parts.path):
+            raise ValueError(f"kvbackend: remote_cache_url must be redis://host[:port][/db], "
+                             f"rediss://... or unix://path, got a {parts.scheme or 'bare'}:// "
+                             f"URL")  # never the URL itself: it may hold a password
+        self.remote_checksum_key()
+
+    def remote_checksum_key(self) -> bytes | None:
+        """The remote tier's checksum key (``remote_cache_key_file``), or None;
+        ValueError for a bad one."""
+        if self.remote_cache_key_file is None:
+            return None
+        from kvbackend.store.checksum_key import load_checksum_key  # lazy: see module doc
+
+        try:
+            return load_checksum_key(self.remote_cache_key_file)
+        except ValueError as e:
+            raise ValueError(f"kvbackend: {e}") from None
+
     @property
     def tiers_enabled(self) -> bool:
-        """Whether a host or disk tier is configured (the tier connector is then used)."""
-        return self.host_cache_gb > 0 or self.disk_cache_dir is not None
+        """Whether a host, disk or remote tier is configured (the tier connector is
+        then used)."""
+        return (self.host_cache_gb > 0 or self.disk_cache_dir is not None
+                or self.remote_cache_url is not None)
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVBackendConfig:

@@ -1,9 +1,9 @@
-"""Host-memory and disk tiers below the device KV cache, as a vLLM KV connector.
+"""Host-memory, disk and remote tiers below the device KV cache, as a vLLM KV connector.
 
-Selected by ``engine_kwargs(host_cache_gb=..., disk_cache_dir=..., disk_cache_gb=...)``
-(or the same keys in ``--kv-backend-config``), which set ``kv_transfer_config``
-to this module. vLLM makes two kinds of instances, and this class only adapts
-vLLM's calls to the part of its role:
+Selected by ``engine_kwargs(host_cache_gb=..., disk_cache_dir=..., disk_cache_gb=...,
+remote_cache_url=...)`` (or the same keys in ``--kv-backend-config``), which set
+``kv_transfer_config`` to this module. vLLM makes two kinds of instances, and this
+class only adapts vLLM's calls to the part of its role:
 
   SCHEDULER (engine-core process): ``TierPlanner`` decides everything.
     ``get_num_new_matched_tokens`` -> ``lookup`` (synchronous loads; prompts with
@@ -20,8 +20,12 @@ vLLM's calls to the part of its role:
     ``get_block_ids_with_load_errors`` -> ``take_load_errors``.
 
 Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
-disk tier separates TP ranks by directory and header, and a disk hit needs the
-block on every rank. A cache directory other users could write to stops the
+disk tier separates TP ranks by directory and header, the remote tier by key
+prefix and header, and a disk or remote hit needs the block on every rank.
+Remote loads are synchronous, in one round trip per step, at most
+``REMOTE_STEP_BYTES`` per step (the planner's ``remote_step_blocks``); remote
+saves leave the step at once (``RemoteWriter``, at most ``REMOTE_QUEUE_BYTES``
+queued per worker). A cache directory other users could write to stops the
 engine at start (``UnsafeCacheDirectory``); after that, best effort throughout:
 nothing here raises into vLLM.
 """
@@ -38,7 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbackend.ops import BlockMover, block_layout
-from kvbackend.store import CacheIdentity, DiskTier, HostTier
+from kvbackend.store import CacheIdentity, DiskTier, HostTier, RemoteTier
+from kvbackend.store.remote_writer import RemoteWriter
 from kvbackend.vllm.config import TIER_KEYS, KVBackendConfig
 from kvbackend.vllm.namespace import namespace_bytes, request_namespace
 from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
@@ -58,7 +63,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvbackend.tiers")
 
 _GIB = 1 << 30
-HIT_SOURCES = {Source.HOST: CacheHitSource.HOST, Source.DISK: CacheHitSource.DISK}
+REMOTE_STEP_BYTES = 256 << 20  # remote loads per step: ~0.5 s at this box's 0.4-0.7 GB/s
+REMOTE_QUEUE_BYTES = 1 << 30  # remote saves waiting for the network, per worker
+HIT_SOURCES = {Source.HOST: CacheHitSource.HOST, Source.DISK: CacheHitSource.DISK,
+               Source.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 @dataclass
@@ -104,12 +112,23 @@ class KVBackendTierConnector(KVConnectorBase_V1):
             return None
         disks = [self._disk_tier(replace(identity, tp_rank=rank), probe_only=True)
                  for rank in range(identity.tp_size)] if self.settings.disk_cache_dir else []
+        remotes = [self._remote_tier(replace(identity, tp_rank=rank))
+                   for rank in range(identity.tp_size)] if self.settings.remote_cache_url else []
         capacity = self.host_bytes // self.block_nbytes if self.block_nbytes else 0
-        logger.info("kvbackend tiers: host %.2f GiB (%d blocks of %d bytes), disk %s; identity %s",
-                    self.settings.host_cache_gb, capacity, self.block_nbytes,
-                    self.settings.disk_cache_dir or "off", identity.digest()[:16])
+        logger.info("kvbackend tiers: host %.2f GiB (%d blocks of %d bytes), disk %s, remote %s; "
+                    "identity %s", self.settings.host_cache_gb, capacity, self.block_nbytes,
+                    self.settings.disk_cache_dir or "off", remotes[0].url if remotes else "off",
+                    identity.digest()[:16])
         return TierPlanner(spec.block_size, identity.digest(), capacity,
-                           (lambda key: all(d.contains(key) for d in disks)) if disks else None)
+                           (lambda key: all(d.contains(key) for d in disks)) if disks else None,
+                           (lambda keys: _held_by_all(remotes, keys)) if remotes else None,
+                           max(1, REMOTE_STEP_BYTES // max(1, self.block_nbytes)))
+
+    def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
+        """The remote tier of one rank (nothing connects until its first call)."""
+        return RemoteTier(self.settings.remote_cache_url, identity,
+                          checksum_key=self.settings.remote_checksum_key(),
+                          block_nbytes=self.block_nbytes)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -189,7 +208,12 @@ class KVBackendTierConnector(KVConnectorBase_V1):
     # =================================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
-            self.worker = TierWorker(self._make_mover(kv_caches))
+            remote = None
+            if self.settings.remote_cache_url is not None:
+                identity = tier_identity(self._vllm_config, self.kv_cache_config,
+                                         tp_rank=_tp_rank())
+                remote = RemoteWriter(self._remote_tier(identity), REMOTE_QUEUE_BYTES)
+            self.worker = TierWorker(self._make_mover(kv_caches), remote)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvbackend tiers: disabled on this worker (its loads are "
                            "recomputed): %s", e)
@@ -202,11 +226,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if layout.block_nbytes != self.block_nbytes:
             raise ValueError(f"a block holds {layout.block_nbytes} bytes over all layers, "
                              f"expected {self.block_nbytes} from the KV cache spec")
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-            rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 - not initialised: a single worker
-            rank = 0
+        rank = _tp_rank()
         host = HostTier(self.host_bytes) if self.host_bytes > 0 else None
         disk = None
         if self.settings.disk_cache_dir is not None:
@@ -247,9 +267,31 @@ class KVBackendTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def shutdown(self) -> None:
+        self.worker.close()  # the remote saves still queued go out first
+
     def _orders(self) -> StepOrders | None:
         meta = self._connector_metadata
         return meta.orders if isinstance(meta, TierMetadata) else None
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - not initialised: a single worker
+        return 0
+
+
+def _held_by_all(remotes: list[RemoteTier], keys: list[str]) -> int:
+    """How many leading ``keys`` every rank's remote tier holds: one round trip per rank,
+    stopping at the first rank that holds none."""
+    found = len(keys)
+    for remote in remotes:
+        found = remote.contains_many(keys[:found])
+        if not found:
+            break
+    return found
 
 
 __all__ = ["HIT_SOURCES", "KVBackendTierConnector", "TierMetadata"]

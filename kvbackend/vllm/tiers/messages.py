@@ -18,11 +18,13 @@ class Source(Enum):
 
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 class LoadOrder(NamedTuple):
     """Fill block ``block_id`` (all layers) with ``key``'s KV, from host memory, else
-    from disk; with ``promote``, a block read from disk is kept in host memory too."""
+    from disk, else from the remote tier; with ``promote``, a block read from disk or
+    the remote tier is kept in host memory too."""
 
     request_id: str
     block_id: int
@@ -32,20 +34,21 @@ class LoadOrder(NamedTuple):
 
 class SaveOrder(NamedTuple):
     """Copy block ``block_id`` (all layers, complete after this step's forward pass)
-    into the host tier and/or the disk tier under ``key``."""
+    into the host, disk and/or remote tier under ``key``."""
 
     request_id: str
     block_id: int
     key: str
     to_host: bool
     to_disk: bool
+    to_remote: bool = False
 
 
 class StepOrders(NamedTuple):
     """One step's orders; every worker applies them in field order:
 
     before the forward pass: ``clear_host`` (empty the host tier), ``disk_off`` (stop
-    reading and writing the disk tier for good), ``drops`` (keys to remove from the
+    reading and writing the disk and remote tiers for good), ``drops`` (keys to remove from the
     host tier), ``loads``, and ``failed`` (block ids to report as failed loads
     without trying); after it: ``saves``.
     """

@@ -1,4 +1,5 @@
-"""The scheduler side of the host and disk tiers, in plain Python: what moves each step.
+"""The scheduler side of the host, disk and remote tiers, in plain Python: what moves each
+step.
 
 Inputs are what vLLM's scheduler knows (request ids, token ids, block ids and,
 after each step, the blocks some rank failed to load); the output is one
@@ -11,15 +12,21 @@ identity). Calls, in vLLM's order within a step:
   ``lookup``            at admission: from the end of the device hit, the longest run
                         of keys in the host mirror (``HostMirror``: the workers' host
                         tiers, LRU) or on disk on every rank (a stat each: other
-                        processes' blocks count); capped at ``num_tokens - 1``. The
-                        host keys it lists are pinned until the loads have run.
-  ``allocated``         a load order per block vLLM adopted; a disk block is promoted
-                        into the mirror when an unpinned slot can be made.
+                        processes' blocks count), continued by the keys the remote
+                        tier holds for every rank (one round trip per rank, at most
+                        ``remote_step_blocks`` per step, less what this step's earlier
+                        admissions adopted: remote loads are synchronous, and this
+                        bounds the time they add to a step); capped at
+                        ``num_tokens - 1``. The host keys it lists are pinned until
+                        the loads have run.
+  ``allocated``         a load order per block vLLM adopted; a disk or remote block is
+                        promoted into the mirror when an unpinned slot can be made.
   ``plan_step``         a save order per block completed in this step, and per block of
                         a newly admitted request: to host unless the mirror has it (then
-                        touched), to disk for every block the request loaded or computed
-                        (the worker skips files that exist; nothing here remembers the
-                        disk, whose files other processes and the workers evict). A request
+                        touched), to disk and to the remote tier for every block the
+                        request loaded or computed (the workers skip files that exist and
+                        keys the server holds; nothing here remembers either, which other
+                        processes and the workers evict). A request
                         whose loads run in this step saves nothing before the next step:
                         its KV is known good only once every rank has loaded its blocks.
                         Mirror evictions become drop orders.
@@ -30,7 +37,7 @@ identity). Calls, in vLLM's order within a step:
                         A step that reports nothing succeeded.
   ``request_finished``  forgets the request.
   ``reset``             after a weight update: a new key epoch, the host tiers cleared,
-                        the disk tier off for the rest of the process.
+                        the disk and remote tiers off for the rest of the process.
 
 The planner assumes vLLM's synchronous scheduling (kvbackend refuses async
 scheduling): a step's orders have run, and its failures are reported, before the
@@ -86,7 +93,10 @@ class TierPlanner:
     """Plans each step's loads, saves and drops (see the module docstring).
 
     ``disk_contains(key)``: whether every rank's disk tier holds ``key`` (None: no
-    disk tier). ``host_capacity``: blocks each worker's host tier holds.
+    disk tier). ``remote_contains(keys)``: how many leading ``keys`` the remote tier
+    holds for every rank (None: no remote tier); ``remote_step_blocks``: the most
+    blocks one step loads from it. ``host_capacity``: blocks each worker's host tier
+    holds.
 
     Invariants (``check_invariants``):
       * the mirror's own (``HostMirror.check_invariants``);
@@ -94,11 +104,14 @@ class TierPlanner:
         list it as a host block, and every such key is in the mirror (no key leaves
         the mirror while a request still lists it);
       * a request never considered more blocks for saving than it has keys;
-      * once the disk is off (``reset``), no disk lookup happens.
+      * once the disk is off (``reset``), no disk or remote lookup happens;
+      * this step's remote loads stay within ``remote_step_blocks``.
     """
 
     def __init__(self, block_size: int, key_digest: str, host_capacity: int,
-                 disk_contains: Callable[[str], bool] | None) -> None:
+                 disk_contains: Callable[[str], bool] | None,
+                 remote_contains: Callable[[list[str]], int] | None = None,
+                 remote_step_blocks: int = 0) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
@@ -106,6 +119,9 @@ class TierPlanner:
         self.epoch = 0
         self.host = HostMirror(host_capacity)
         self.disk_contains = disk_contains
+        self.remote_contains = remote_contains
+        self.remote_step_blocks = remote_step_blocks
+        self._step_remote = 0  # remote loads planned for the step being scheduled
         self._requests: dict[str, _Request] = {}
         self._step_loads: dict[str, _Loads] = {}  # planned for the step being scheduled
         self._in_flight: dict[str, _Loads] = {}  # sent with the last step, until it finished
@@ -139,6 +155,11 @@ class TierPlanner:
                 sources.append(Source.DISK)
             else:
                 break
+        end = start + len(sources)
+        room = self.remote_step_blocks - self._step_remote
+        if self.remote_contains is not None and end < limit and room > 0:
+            found = self.remote_contains(st.keys[end:min(limit, end + room)])
+            sources += [Source.REMOTE] * found
         if not sources:
             return 0
         pinned = [k for k, s in zip(st.keys[start:], sources) if s is Source.HOST]
@@ -175,6 +196,8 @@ class TierPlanner:
                 promote = False
             else:
                 promote = self._host_insert(key)
+                if lookup.sources[j] is Source.REMOTE:
+                    self._step_remote += 1
             self._loads.append(LoadOrder(request_id, block_id, key, promote))
             loads.blocks[block_id] = key
             st.sources[lookup.sources[j]] = st.sources.get(lookup.sources[j], 0) + self.block_size
@@ -229,6 +252,7 @@ class TierPlanner:
         self._in_flight, self._step_loads = self._step_loads, {}
         self._loads, self._failed, self._drops = [], [], []
         self._clear_host = self._disk_off = False
+        self._step_remote = 0
         return orders
 
     def step_finished(self, failed_block_ids: Collection[int]) -> None:
@@ -268,8 +292,9 @@ class TierPlanner:
         self.epoch += 1
         self.key_digest = hashlib.sha256(
             f"{self.base_digest}/epoch/{self.epoch}".encode()).hexdigest()
-        if self.disk_contains is not None:
-            self.disk_contains, self._disk_off = None, True
+        if self.disk_contains is not None or self.remote_contains is not None:
+            self.disk_contains = self.remote_contains = None
+            self._disk_off = True
         self.forget_host()
         self._requests.clear()
         self._in_flight.clear()
@@ -306,13 +331,14 @@ class TierPlanner:
         if num_full <= st.num_checked:
             return
         keys = self._keys(st, num_full)
-        disk_on = self.disk_contains is not None
+        disk_on, remote_on = self.disk_contains is not None, self.remote_contains is not None
         for i in range(st.num_checked, num_full):
             to_host = self._host_insert(keys[i])
             to_disk = disk_on and i >= st.disk_from
-            if to_host or to_disk:
+            to_remote = remote_on and i >= st.disk_from
+            if to_host or to_disk or to_remote:
                 saves.append(SaveOrder(request.request_id, request.block_ids[i], keys[i],
-                                       to_host, to_disk))
+                                       to_host, to_disk, to_remote))
         st.num_checked = num_full
 
     def _end_lookup(self, st: _Request) -> None:
@@ -343,6 +369,10 @@ class TierPlanner:
         lost = [key for key in listed if key not in self.host]
         assert not lost, f"keys {lost[:3]} left the mirror while a request lists them"
         assert not (self.epoch and self.disk_contains is not None), "disk in use after reset"
+        assert not (self.epoch and self.remote_contains is not None), (
+            "remote tier in use after reset")
+        assert 0 <= self._step_remote <= self.remote_step_blocks, (
+            f"{self._step_remote} remote loads planned, over {self.remote_step_blocks}")
 
 
 __all__ = ["TierPlanner"]

@@ -1,21 +1,27 @@
-"""The worker side of the host and disk tiers: each step's ``StepOrders``, carried out.
+"""The worker side of the host, disk and remote tiers: each step's ``StepOrders``, carried
+out.
 
 ``TierWorker`` moves bytes through a ``kvbackend.ops.BlockMover``, a block (all
 layers) at a time, without staging copies on a CPU cache:
 
   ``start_step``   before the forward pass: clear the host tier / stop using the disk
-                   when told, apply the drops, then load each block from host, else
-                   disk (read straight into its buffer and verified there: checksum,
-                   identity, size) and scatter it into its block of every layer.
+                   and remote tiers when told, apply the drops, then load each block
+                   from host, else disk (read straight into its buffer and verified
+                   there: checksum, identity, size), and the blocks neither had from
+                   the remote tier (one round trip for all, verified alike), and
+                   scatter each into its block of every layer.
   ``finish_step``  after the forward pass, when the bytes are final: gather each saved
                    block straight into the array the host tier keeps and/or write it to
-                   the disk tier (atomic, checksummed), unless its file already exists.
+                   the disk tier (atomic, checksummed), unless its file already exists;
+                   blocks for the remote tier are gathered into fresh arrays and handed
+                   to a ``RemoteWriter``, which sends them from its own thread.
   ``take_load_errors``  the blocks that missed or failed verification since the last
                    call; they were scattered nowhere. vLLM unions every rank's errors
                    and recomputes from each request's first failed block.
 
 Saves run here rather than in the next step: on the CPU there is no copy engine
-to overlap with, and a block must be read before any later step can reuse it.
+to overlap with, and a block must be read before any later step can reuse it
+(remote saves too: they are gathered here; only the network transfer is deferred).
 Best effort: nothing here raises into vLLM; a failed save is a future miss and
 a failed load is recomputed.
 """
@@ -28,7 +34,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvbackend.ops import BlockMover
-from kvbackend.vllm.tiers.messages import StepOrders
+from kvbackend.store.remote_writer import RemoteWriter
+from kvbackend.vllm.tiers.messages import LoadOrder, StepOrders
 
 logger = logging.getLogger("kvbackend.tiers")
 
@@ -36,10 +43,12 @@ logger = logging.getLogger("kvbackend.tiers")
 class TierWorker:
     """One worker's tiers and the orders it has carried out. Without a mover (the
     tiers could not be set up on this worker) every load fails and nothing is
-    saved. Calls must not overlap."""
+    saved. ``remote``: the remote tier's writer (its ``tier`` serves the loads), or
+    None. Calls must not overlap."""
 
-    def __init__(self, mover: BlockMover | None) -> None:
+    def __init__(self, mover: BlockMover | None, remote: RemoteWriter | None = None) -> None:
         self.mover = mover
+        self.remote = remote
         self._load_errors: set[int] = set()
 
     def start_step(self, orders: StepOrders) -> None:
@@ -54,6 +63,7 @@ class TierWorker:
                 mover.host.evict_to(0)
             if orders.disk_off:
                 mover.disk = None
+                self.close()
             if mover.host is not None:
                 for key in orders.drops:
                     mover.host.remove(key)
@@ -63,10 +73,20 @@ class TierWorker:
             return
         try:
             done = mover.load_many([(o.block_id, o.key, o.promote) for o in orders.loads])
+            missed = [o for o, ok in zip(orders.loads, done) if not ok]
+            if missed and self.remote is not None:
+                missed = self._load_remote(mover, missed)
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: loading blocks failed; they are recomputed")
-            done = [False] * len(orders.loads)
-        self._load_errors.update(o.block_id for o, ok in zip(orders.loads, done) if not ok)
+            missed = list(orders.loads)
+        self._load_errors.update(o.block_id for o in missed)
+
+    def _load_remote(self, mover: BlockMover, loads: list[LoadOrder]) -> list[LoadOrder]:
+        """Load ``loads`` from the remote tier (one round trip); returns those it missed."""
+        payloads = self.remote.tier.get_many([o.key for o in loads])
+        mover.load_payloads([(o.block_id, o.key, p, o.promote)
+                             for o, p in zip(loads, payloads) if p is not None])
+        return [o for o, p in zip(loads, payloads) if p is None]
 
     def finish_step(self, orders: StepOrders) -> None:
         """The saves, after the forward pass. O(saved bytes) plus a stat per disk save."""
@@ -74,13 +94,25 @@ class TierWorker:
         if mover is None:
             return
         try:
+            remote = []
             for order in orders.saves:
                 to_disk = (order.to_disk and mover.disk is not None
                            and not mover.disk.contains(order.key))
                 mover.save(order.block_id, order.key, order.to_host, to_disk)
+                if order.to_remote and self.remote is not None:
+                    remote.append((order.key, mover.gather(order.block_id), mover.block_size))
+            if remote:
+                self.remote.submit(remote)
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: saving blocks failed; they will be recomputed "
                              "when needed")
+
+    def close(self) -> None:
+        """Send the remote saves still queued (a few seconds at most); stop using the
+        remote tier."""
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call. O(1)."""

@@ -1,0 +1,79 @@
+"""The tier planner's remote tier: lookups continue below host and disk, a per-step load budget,
+write-through saves, off after a reset. (The remote tier itself is tested on a real server in
+test_store_remote_tier.py and inside vLLM in tests/vllm/test_remote_tier.py.)"""
+
+from __future__ import annotations
+
+from kvbackend.store import compute_block_keys
+from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
+from kvbackend.vllm.tiers.planner import TierPlanner
+
+BS = 4
+DIGEST = "ab" * 32
+TOKENS = list(range(100, 141))  # 10 full blocks and one token
+KEYS = compute_block_keys(TOKENS, BS, DIGEST, b"")
+
+
+class Remote:
+    """What the server holds, and every batch of keys the planner asked about."""
+
+    def __init__(self, held) -> None:
+        self.held, self.asked = set(held), []
+
+    def __call__(self, keys: list[str]) -> int:
+        self.asked.append(list(keys))
+        return next((i for i, k in enumerate(keys) if k not in self.held), len(keys))
+
+
+def planner(remote: Remote, on_disk=(), step_blocks: int = 100, host: int = 16) -> TierPlanner:
+    disk = set(on_disk)
+    return TierPlanner(BS, DIGEST, host, disk.__contains__ if disk else None, remote,
+                       step_blocks)
+
+
+def admit(p: TierPlanner, request_id: str, tokens=TOKENS, block_ids=range(1, 12)) -> int:
+    hit = p.lookup(request_id, tokens, b"", 0)
+    p.allocated(request_id, list(block_ids), hit)
+    p.check_invariants()
+    return hit
+
+
+def test_a_lookup_continues_from_disk_into_the_remote_tier():
+    remote = Remote(KEYS[2:8])
+    p = planner(remote, on_disk=KEYS[:2])
+    assert admit(p, "r") == 8 * BS
+    assert remote.asked == [KEYS[2:10]]  # one batch: everything after the disk run
+    assert p.hit_sources("r", 8 * BS) == {Source.DISK: 2 * BS, Source.REMOTE: 6 * BS}
+    orders = p.plan_step([])
+    assert [o.key for o in orders.loads] == KEYS[:8]
+    p.check_invariants()
+
+
+def test_remote_loads_stay_within_the_step_budget():
+    remote = Remote(KEYS)
+    p = planner(remote, step_blocks=5, host=0)  # no host tier to promote into
+    assert admit(p, "a") == 5 * BS
+    assert admit(p, "b", block_ids=range(20, 31)) == 0  # the budget is spent in this step
+    assert len(p.plan_step([]).loads) == 5
+    assert admit(p, "c", block_ids=range(40, 51)) == 5 * BS  # a new step, a new budget
+
+
+def test_computed_and_loaded_blocks_are_written_through():
+    remote = Remote(KEYS[:3])
+    p = planner(remote)
+    assert admit(p, "r") == 3 * BS
+    p.plan_step([])  # the loads run; saves wait until they are known good
+    p.step_finished(())
+    orders = p.plan_step([ScheduledRequest("r", 3 * BS, len(TOKENS) - 3 * BS, range(1, 12))])
+    assert [o.key for o in orders.saves if o.to_remote] == KEYS  # the writer skips held keys
+    p.check_invariants()
+
+
+def test_after_a_reset_the_remote_tier_is_off():
+    remote = Remote(KEYS)
+    p = planner(remote)
+    p.reset()
+    assert admit(p, "r") == 0 and remote.asked == []
+    orders = p.plan_step([ScheduledRequest("r", 0, len(TOKENS), range(1, 12))])
+    assert orders.disk_off and not any(o.to_remote for o in orders.saves)
+    p.check_invariants()
