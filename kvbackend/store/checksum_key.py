@@ -20,8 +20,11 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import replace
 
 from blake3 import blake3
+
+from kvbackend.store.identity import CacheIdentity
 
 KEY_ENV = "KVBACKEND_DISK_KEY"
 KEY_LEN = 32
@@ -40,6 +43,14 @@ def key_id(key: bytes) -> str:
     """32 hex digits naming ``key``; reveals nothing about it. O(1)."""
     named = blake3(b"kvbackend disk checksum key id v1", key=check_checksum_key(key))
     return named.hexdigest()[:32]
+
+
+def keyed_identity(identity: CacheIdentity, key: bytes | None) -> CacheIdentity:
+    """``identity`` with the key's id among its extra fields (unchanged without a key),
+    so tiers under different keys, or none, never share a block name. O(1)."""
+    if key is None:
+        return identity
+    return replace(identity, extra=(*identity.extra, ("checksum_key_id", key_id(key))))
 
 
 def load_checksum_key(key_file: str | None,

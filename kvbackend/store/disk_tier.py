@@ -102,7 +102,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -111,7 +110,7 @@ from kvbackend.store.block_file import (
     HEADER_LEN, MAX_NUM_TOKENS, BlockRecord, CorruptBlock, as_byte_view, encode_header,
     read_block, read_block_into,
 )
-from kvbackend.store.checksum_key import check_checksum_key, key_id
+from kvbackend.store.checksum_key import keyed_identity
 from kvbackend.store.disk_bound import BoundDeclaration
 from kvbackend.store.disk_index import DiskIndex
 from kvbackend.store.identity import CacheIdentity
@@ -168,10 +167,7 @@ class DiskTier:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         if block_nbytes is not None and (not isinstance(block_nbytes, int) or block_nbytes < 1):
             raise ValueError(f"block_nbytes must be a positive int or None, got {block_nbytes!r}")
-        if checksum_key is not None:
-            check_checksum_key(checksum_key)
-            identity = replace(identity, extra=(*identity.extra,
-                                                ("checksum_key_id", key_id(checksum_key))))
+        identity = keyed_identity(identity, checksum_key)
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.identity = identity

@@ -55,7 +55,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -66,7 +65,7 @@ from redis.retry import Retry
 from kvbackend.store.block_file import (
     FORMAT_VERSION, HEADER_LEN, CorruptBlock, as_byte_view, encode_header, verify_buffer,
 )
-from kvbackend.store.checksum_key import check_checksum_key, key_id
+from kvbackend.store.checksum_key import keyed_identity
 from kvbackend.store.circuit_breaker import CircuitBreaker
 from kvbackend.store.identity import CacheIdentity
 from kvbackend.store.tier import Payload, check_key
@@ -119,10 +118,7 @@ class RemoteTier:
             raise ValueError(f"block_nbytes must be a positive int or None, got {block_nbytes!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if checksum_key is not None:
-            check_checksum_key(checksum_key)
-            identity = replace(identity, extra=(*identity.extra,
-                                                ("checksum_key_id", key_id(checksum_key))))
+        identity = keyed_identity(identity, checksum_key)
         self.url = redacted_url(url)
         self.identity = identity
         self.identity_digest = identity.digest()

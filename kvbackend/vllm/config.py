@@ -30,7 +30,7 @@ class KVBackendConfig:
     by ``kv_pin`` requests (the rest stays available, so pins cannot starve
     the engine).
 
-    Tiers below the device KV cache (served by ``kvbackend.vllm.tier_connector``):
+    Tiers below the device KV cache (served by ``kvbackend.vllm.tiers.connector``):
     ``host_cache_gb``: GiB of host memory per worker for evicted KV blocks (0: off);
     ``disk_cache_dir``: a directory for persistent, checksummed KV blocks, shared
     across restarts and processes (None: off); ``disk_cache_gb``: its size bound
