@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 SGL_PY := $(SGL_VENV)/bin/python
 STAMP := $(VENV)/.kvbackend-installed
 SGL_STAMP := $(SGL_VENV)/.kvbackend-installed
+SGL_ENGINE_STAMP := $(SGL_VENV)/.sglang-installed
 BENCH_STAMP := $(VENV)/.kvbackend-bench-installed
 REPORT ?= benchmarks/report
 SHELL := /bin/bash
@@ -26,14 +27,21 @@ $(STAMP): pyproject.toml
 
 # sglang 0.5.23 pins torch 2.14.1 and pulls GPU-only packages: install it without its
 # dependencies, then the few its mem_cache and scheduler modules import on the CPU.
-$(SGL_STAMP): pyproject.toml tests/sglang/requirements.txt
+$(SGL_ENGINE_STAMP):
 	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
 	$(SGL_PY) -m pip install -q --no-deps sglang==0.5.23
+	touch $(SGL_ENGINE_STAMP)
+
+# After $(STAMP): two editable installs at once would both rewrite kvbackend.egg-info.
+$(SGL_STAMP): $(SGL_ENGINE_STAMP) $(STAMP) pyproject.toml tests/sglang/requirements.txt
 	$(SGL_PY) -m pip install -q -r tests/sglang/requirements.txt -e ".[test]"
 	touch $(SGL_STAMP)
 
-test: test-main test-sglang
+# The two environments install and test side by side: one's downloads and unpacking
+# overlap the other's tests (each part's output is printed whole when it ends).
+test:
+	$(MAKE) -j2 --output-sync=target test-main test-sglang
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/sglang

@@ -170,11 +170,8 @@ def test_stats_are_sglang_storage_metrics(tmp_path):
     assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
     stats.prefetch_stats = {}  # what UnifiedRadixCache does next
     assert backend.get_stats().prefetch_pgs == []  # each interval reports its own batches
-    try:
-        from sglang.srt.observability.metrics_collector import StorageMetricsCollector
-        StorageMetricsCollector({"storage_backend": "kvbackend"}).log_storage_metrics(stats)
-    except ImportError:  # prometheus_client not installed here
-        pass
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+    StorageMetricsCollector({"storage_backend": "kvbackend"}).log_storage_metrics(stats)
 
 
 def test_extra_pools_of_hybrid_models_are_refused_at_attach(tmp_path):
