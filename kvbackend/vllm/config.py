@@ -13,6 +13,7 @@ worker's start-up (``_rebind_kernels`` walks ``sys.modules``).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,6 +46,11 @@ class KVBackendConfig:
     for TLS, ``unix://path``; None: off); ``remote_cache_key_file``: a 0600 file
     holding a 32-byte key for keyed checksums of remote blocks (every instance of the
     fleet needs the same one; without it, unkeyed).
+
+    ``explain_misses``: a file to which one JSON line per request is appended,
+    saying how many prompt tokens were reused, from which tier, and why the rest
+    were not (``kvbackend/vllm/miss_log.py``; None: off). Opened (created 0600)
+    when the configuration is checked: a path that cannot be appended to is an error.
     """
 
     max_pinned_fraction: float = 0.5
@@ -55,6 +61,7 @@ class KVBackendConfig:
     disk_cache_shared_group: bool = False
     remote_cache_url: str | None = None
     remote_cache_key_file: str | None = None
+    explain_misses: str | None = None
 
     def __post_init__(self) -> None:
         value = self.max_pinned_fraction
@@ -65,7 +72,8 @@ class KVBackendConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < float("inf"):
                 raise ValueError(f"kvbackend: {name} must be a finite number >= 0, got {value!r}")
-        for name in ("disk_cache_dir", "disk_cache_key_file", "remote_cache_key_file"):
+        for name in ("disk_cache_dir", "disk_cache_key_file", "remote_cache_key_file",
+                     "explain_misses"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"kvbackend: {name} must be a non-empty string (a path), "
@@ -74,6 +82,7 @@ class KVBackendConfig:
             raise ValueError(f"kvbackend: disk_cache_shared_group must be true or false, "
                              f"got {self.disk_cache_shared_group!r}")
         self._check_remote()
+        self._check_explain_misses()
         if self.disk_cache_dir is None:
             if self.disk_cache_key_file is not None:
                 raise ValueError("kvbackend: disk_cache_key_file needs disk_cache_dir")
@@ -111,6 +120,15 @@ class KVBackendConfig:
                              f"rediss://... or unix://path, got a {parts.scheme or 'bare'}:// "
                              f"URL")  # never the URL itself: it may hold a password
         self.remote_checksum_key()
+
+    def _check_explain_misses(self) -> None:
+        if self.explain_misses is None:
+            return
+        try:
+            os.close(open_for_append(self.explain_misses))
+        except OSError as e:
+            raise ValueError(f"kvbackend: explain_misses: cannot append to "
+                             f"{self.explain_misses!r}: {e.strerror}") from None
 
     def remote_checksum_key(self) -> bytes | None:
         """The remote tier's checksum key (``remote_cache_key_file``), or None;
@@ -156,6 +174,11 @@ class KVBackendConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def open_for_append(path: str) -> int:
+    """An ``O_APPEND`` descriptor of ``path``, created 0600 if missing; OSError if not."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
 def _is_number(value: Any) -> bool:
