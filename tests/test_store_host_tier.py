@@ -99,7 +99,7 @@ def test_check_invariants_catches_broken_accounting():
     tier = HostTier(100)
     tier.put(KEYS[0], b"x" * 10, 1)
     tier._bytes += 1
-    with pytest.raises(AssertionError, match="bytes accounted 11 != sum of payloads 10"):
+    with pytest.raises(RuntimeError, match="bytes accounted 11 != sum of payloads 10"):
         tier.check_invariants()
 
 

@@ -68,12 +68,18 @@ class CircuitBreaker:
             return ended
 
     def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` naming the broken invariant. O(1)."""
         with self._lock:
             if self.failures == 0:
-                assert self.delay_s == 0.0 and self.open_until == 0.0, (
-                    self.delay_s, self.open_until)
+                if self.delay_s != 0.0 or self.open_until != 0.0:
+                    raise RuntimeError(f"closed breaker with delay {self.delay_s}, "
+                                       f"open until {self.open_until}")
                 return
-            assert self.failures > 0, self.failures
+            if self.failures < 0:
+                raise RuntimeError(f"negative failure count {self.failures}")
             expected = min(self.max_s, self.first_s * 2.0 ** min(self.failures - 1, 1023))
-            assert self.delay_s == expected, (self.delay_s, expected, self.failures)
-            assert self.open_until > 0.0, self.open_until
+            if self.delay_s != expected:
+                raise RuntimeError(f"delay {self.delay_s} after {self.failures} failures, "
+                                   f"expected {expected}")
+            if self.open_until <= 0.0:
+                raise RuntimeError(f"open breaker without a deadline ({self.open_until})")

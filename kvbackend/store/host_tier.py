@@ -140,16 +140,22 @@ class HostTier:
                     max_bytes=self.max_bytes)
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant. O(n)."""
+        """Raise ``RuntimeError`` naming the first broken invariant (plain raises, so
+        ``python -O`` keeps them). O(n)."""
         total = 0
         prev_stamp = 0
         for key, entry in self._entries.items():
             actual = payload_nbytes(entry.payload)
-            assert entry.nbytes == actual, f"{key}: nbytes {entry.nbytes} != payload {actual}"
-            assert entry.stamp > prev_stamp, (
-                f"{key}: LRU stamp {entry.stamp} not after predecessor's {prev_stamp}")
+            if entry.nbytes != actual:
+                raise RuntimeError(f"{key}: nbytes {entry.nbytes} != payload {actual}")
+            if entry.stamp <= prev_stamp:
+                raise RuntimeError(
+                    f"{key}: LRU stamp {entry.stamp} not after predecessor's {prev_stamp}")
             prev_stamp = entry.stamp
             total += entry.nbytes
-        assert prev_stamp <= self._clock, f"stamp {prev_stamp} ahead of clock {self._clock}"
-        assert total == self._bytes, f"bytes accounted {self._bytes} != sum of payloads {total}"
-        assert total <= self.max_bytes, f"bytes {total} exceed max_bytes {self.max_bytes}"
+        if prev_stamp > self._clock:
+            raise RuntimeError(f"stamp {prev_stamp} ahead of clock {self._clock}")
+        if total != self._bytes:
+            raise RuntimeError(f"bytes accounted {self._bytes} != sum of payloads {total}")
+        if total > self.max_bytes:
+            raise RuntimeError(f"bytes {total} exceed max_bytes {self.max_bytes}")

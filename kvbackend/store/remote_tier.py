@@ -291,10 +291,12 @@ class RemoteTier:
                 "writes": "up" if self._writes.closed else "backing off"}
 
     def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` naming a broken invariant (both breakers', counters >= 0)."""
         self._server.check_invariants()
         self._writes.check_invariants()
         with self._lock:
-            assert all(v >= 0 for v in self._counters.values()), self._counters
+            if any(v < 0 for v in self._counters.values()):
+                raise RuntimeError(f"negative counters {self._counters}")
 
     def close(self) -> None:
         """Close the connections (a later call opens new ones)."""

@@ -75,11 +75,15 @@ class RemoteWriter:
             return {**self._counters, "queued_bytes": self.queued_bytes}
 
     def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` naming the broken invariant. O(queue)."""
         with self._cond:
             waiting = [n for _, n in self._queue]
-            assert self.queued_bytes == sum(waiting) + self._sending, (
-                self.queued_bytes, waiting, self._sending)
-            assert 0 <= self.queued_bytes <= self.max_bytes, (self.queued_bytes, self.max_bytes)
+            if self.queued_bytes != sum(waiting) + self._sending:
+                raise RuntimeError(f"queued_bytes {self.queued_bytes} != waiting {waiting} "
+                                   f"+ sending {self._sending}")
+            if not 0 <= self.queued_bytes <= self.max_bytes:
+                raise RuntimeError(f"queued_bytes {self.queued_bytes} outside "
+                                   f"[0, {self.max_bytes}]")
 
     def _run(self) -> None:
         while True:
