@@ -60,7 +60,7 @@ $(BENCH_STAMP): $(STAMP)
 
 # Each benchmark's output goes to $(REPORT)/NAME.txt (and JSON where charted);
 # benchmarks/report.py then writes $(REPORT)/report.md with the tables and PNG charts.
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) $(SGL_STAMP)
 	mkdir -p $(REPORT)
 	set -o pipefail; for b in bench_core bench_block_copy bench_scheduler bench_e2e bench_remote; do \
 	    $(PY) benchmarks/$$b.py | tee $(REPORT)/$$b.txt || exit 1; done
@@ -68,6 +68,7 @@ bench: $(BENCH_STAMP)
 	    | tee $(REPORT)/bench_tiers.txt
 	set -o pipefail; $(PY) benchmarks/bench_ttft.py --json $(REPORT)/bench_ttft.json \
 	    | tee $(REPORT)/bench_ttft.txt
+	set -o pipefail; $(SGL_PY) benchmarks/bench_sglang.py | tee $(REPORT)/bench_sglang.txt
 	$(PY) benchmarks/report.py $(REPORT)
 
 clean:
