@@ -28,7 +28,9 @@ FILE = HEADER_LEN + BLOCK
 
 @pytest.fixture
 def tier(tmp_path):
-    return DiskTier(tmp_path / "cache", 10 * FILE, ID)
+    tier = DiskTier(tmp_path / "cache", 10 * FILE, ID)
+    yield tier
+    tier.check_invariants()
 
 
 def files_of(tier, suffix=".kvb"):
@@ -447,3 +449,16 @@ def test_read_only_tier_does_not_delete_bad_files(tmp_path, tier):
     _corrupt(path, "payload-byte", tmp_path)
     ro = DiskTier(tmp_path / "cache", 10 * FILE, ID, read_only=True)
     assert ro.get(key_of(0)) is None and os.path.exists(path)
+
+
+def test_check_invariants_names_a_broken_count(tier):
+    tier.put(key_of(1), payload_for(key_of(1), BLOCK), 16)
+    tier.check_invariants()
+    tier._counters["hits"] = -1
+    with pytest.raises(RuntimeError, match="negative counters"):
+        tier.check_invariants()
+    tier._counters["hits"] = 0
+    tier._index._bytes += 1
+    with pytest.raises(RuntimeError, match="bytes is"):
+        tier.check_invariants()
+    tier._index._bytes -= 1

@@ -524,6 +524,22 @@ class DiskTier:
         """Indexed keys, least recently used first. O(n)."""
         return [] if self._index is None else self._index.keys_lru()
 
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` naming the broken invariant: the index's own (its bytes
+        are the sum of its sizes), ``mode`` one of the three, a probe-only tier keeps no
+        index and never writes, counters never negative. O(#indexed keys). The files
+        themselves are the truth and may differ (other processes write and evict)."""
+        if self._index is not None:
+            self._index.check_invariants()
+        if self.mode not in ("rw", "ro", "disabled"):
+            raise RuntimeError(f"DiskTier: unknown mode {self.mode!r}")
+        if self.probe_only and (self._index is not None or self.mode == "rw"):
+            raise RuntimeError(f"DiskTier: probe-only tier in mode {self.mode!r} with an index")
+        with self._lock:
+            negative = {k: v for k, v in self._counters.items() if v < 0}
+        if negative:
+            raise RuntimeError(f"DiskTier: negative counters {negative}")
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counters = dict(self._counters)
