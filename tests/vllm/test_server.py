@@ -34,6 +34,11 @@ PARSE_TIMEOUT_S = 120
 PREFIX_LEN = 600  # not a multiple of BLOCK_SIZE: vLLM's own cache would reuse 576
 QUESTION_LEN = 40
 VOCAB = (3, 512)  # the tiny Llama's word ids (0-2 are special)
+# One KV block of the tiny Llama over all layers: K and V x 2 layers x 2 KV heads x 32 dims
+# x BLOCK_SIZE tokens x 4 bytes (float32).
+BLOCK_NBYTES = 2 * 2 * 2 * 32 * BLOCK_SIZE * 4
+DEVICE_BYTES = 128 * BLOCK_NBYTES
+HOST_BYTES = 256 * BLOCK_NBYTES
 
 
 def _env() -> dict[str, str]:
@@ -172,12 +177,18 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
+    """One server for the module: a device cache of DEVICE_BYTES (128 blocks of the tiny
+    model), a host tier twice that (so a prefix pushed out of the device can still be on
+    host) and a disk tier."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
+    backend_config = {"max_pinned_fraction": 0.25, "host_cache_gb": HOST_BYTES / (1 << 30),
+                      "disk_cache_dir": str(tmp_path_factory.mktemp("disk-cache")),
+                      "disk_cache_gb": 1}
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", tiny_model,
-           "--kv-backend", "kvbackend", "--kv-backend-config", '{"max_pinned_fraction": 0.25}',
+           "--kv-backend", "kvbackend", "--kv-backend-config", json.dumps(backend_config),
            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-           "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(32 << 20),
+           "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(DEVICE_BYTES),
            "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
