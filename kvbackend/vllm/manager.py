@@ -57,7 +57,8 @@ when vLLM adds a public member that this table does not name):
     create_kv_cache_blocks             inherited   wraps block lists
     prefix_cache_lookup_enabled        inherited   enable_caching is True, honours
                                                    skip_reading_prefix_cache
-    record_prefix_cache_stats          inherited   fills prefix_cache_stats
+    record_prefix_cache_stats          overridden  fills prefix_cache_stats, then
+                                                   writes the explain_misses record
     make_prefix_cache_stats            inherited   drains prefix_cache_stats
     get_num_common_prefix_blocks       inherited   deprecated, zeros
     take_new_block_ids                 inherited   zeroing is for Mamba / mixed
@@ -80,8 +81,10 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.request import Request, RequestStatus
 
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer
+from kvbackend.core.miss_diagnosis import Admission
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.kv_events import DeviceBlockEvents
+from kvbackend.vllm.miss_log import MissLog
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.request_options import (
     DEFAULT_OPTIONS, RequestOptionError, RequestOptions, parse_request_options,
@@ -127,6 +130,9 @@ class KVBackendManager(KVCacheManager):
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step: set[int] = set()
         self.kv_events = kv_events  # set with --kv-events-config
+        self.miss_log = (MissLog(backend_config.explain_misses, self.cache.tree)
+                         if backend_config.explain_misses else None)
+        self.tier_hit_sources = None  # the tier connector's get_external_cache_hit_sources
 
     # ------------------------------------------------------------- lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
@@ -192,6 +198,8 @@ class KVBackendManager(KVCacheManager):
                 total, min(request.num_tokens, self.max_model_len))
             if _cdiv(needed, self.block_size) - match.num_full_blocks > headroom:
                 return None
+            if self.miss_log is not None and request.num_preemptions <= 0:
+                self._explain_admission(request, tracked, match, num_external_computed_tokens)
             seq = self.cache.open_sequence(match, total)
             if seq is None:
                 return None
@@ -222,6 +230,8 @@ class KVBackendManager(KVCacheManager):
 
     def free(self, request: Request) -> None:
         """Publish every computed token (partial tail included), then release."""
+        if self.miss_log is not None:
+            self.miss_log.forget(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None or tracked.sequence is None:
             return
@@ -261,9 +271,20 @@ class KVBackendManager(KVCacheManager):
         self.cache.clear()
         if self.kv_events is not None:
             self.kv_events.cleared()
+        if self.miss_log is not None:
+            self.miss_log.cleared()
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """vLLM's hit counters; then, with ``explain_misses``, the request's record
+        (vLLM calls this right after the tier connector planned its loads, so the
+        tier of each loaded token is known)."""
+        super().record_prefix_cache_stats(request, num_hits)
+        if self.miss_log is not None:
+            sources = self.tier_hit_sources or (lambda req, n: {})
+            self.miss_log.write(request.request_id, lambda n: sources(request, n))
 
     # ----------------------------------------------------------- read-outs
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
@@ -322,6 +343,18 @@ class KVBackendManager(KVCacheManager):
                                    "this indicates a bug")
         return match
 
+    def _explain_admission(self, request: Request, tracked: _TrackedRequest, match: PrefixMatch,
+                           num_external_tokens: int) -> None:
+        """Diagnose the first admission for ``explain_misses``, before the request's own
+        blocks change the tree. O(prompt tokens)."""
+        prompt = tracked.tokens.sync(request.all_token_ids)[: request.num_prompt_tokens]
+        admission = Admission(min(request.num_tokens - 1, request.num_prompt_tokens),
+                              match.num_tokens, num_external_tokens,
+                              lookup=self.prefix_cache_lookup_enabled(request),
+                              cacheable=tracked.cacheable)
+        self.miss_log.admitted(request.request_id, tracked.namespace, prompt, admission,
+                               self._written_this_step)
+
     def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,
                  force: bool = False) -> None:
         """Insert ``tokens[:num_tokens]`` into the tree: during prefill, when a block
@@ -339,6 +372,8 @@ class KVBackendManager(KVCacheManager):
                                   (num_tokens - num_new) // self.block_size,
                                   num_tokens // self.block_size)
         tracked.num_published = num_tokens
+        if self.miss_log is not None:
+            self.miss_log.published(request.request_id, tracked.namespace, tokens)
         if tracked.pin and done < request.num_prompt_tokens <= num_tokens:
             if not self.cache.pin(tokens[: request.num_prompt_tokens], tracked.namespace):
                 logger.warning("kvbackend: request %s asked for kv_pin, but pinning its %d-token "

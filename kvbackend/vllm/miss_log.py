@@ -31,8 +31,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Hashable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -81,10 +81,15 @@ class MissLog:
         self._requests: dict[str, _Request] = {}
 
     def admitted(self, request_id: str, namespace: Hashable, prompt: np.ndarray,
-                 admission: Admission) -> None:
+                 admission: Admission, written_blocks: Container[int] = ()) -> None:
+        """Diagnose an admission. ``written_blocks``: device blocks written in this step
+        (a device hit ending inside one of them was cut back: ``same_step_cut``)."""
         if self._fd is None:
             return
         try:
+            longest = self.tree.match(prompt[: admission.limit], namespace, touch=False)
+            if longest.num_partial_tokens and longest.partial_block_id in written_blocks:
+                admission = replace(admission, same_step_cut=True)
             state = self._state(request_id, namespace)
             spans = diagnose(self.tree, self.seen, state.digests, prompt, namespace, admission)
             state.pending = (len(prompt), admission, spans)
@@ -143,8 +148,9 @@ class MissLog:
     def _state(self, request_id: str, namespace: Hashable) -> _Request:
         state = self._requests.get(request_id)
         if state is None:
-            state = self._requests[request_id] = _Request(
-                PrefixDigests(namespace, self.tree.block_size), namespace_id=namespace_id(namespace))
+            digests = PrefixDigests(namespace, self.tree.block_size)
+            state = self._requests[request_id] = _Request(digests,
+                                                          namespace_id=namespace_id(namespace))
         return state
 
     def _span(self, span: LostSpan) -> dict:

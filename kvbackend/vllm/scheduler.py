@@ -96,3 +96,4 @@ class KVBackendScheduler(Scheduler):
         )
         if self.connector is not None:  # kvbackend's tier connector (checked above)
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
+            self.kv_cache_manager.tier_hit_sources = self.connector.get_external_cache_hit_sources

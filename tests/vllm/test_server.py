@@ -39,6 +39,7 @@ VOCAB = (3, 512)  # the tiny Llama's word ids (0-2 are special)
 BLOCK_NBYTES = 2 * 2 * 2 * 32 * BLOCK_SIZE * 4
 DEVICE_BYTES = 128 * BLOCK_NBYTES
 HOST_BYTES = 256 * BLOCK_NBYTES
+EXPLAIN_FILE = "misses.jsonl"  # explain_misses, next to the server's log
 
 
 def _env() -> dict[str, str]:
@@ -184,7 +185,8 @@ def server(tiny_model, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     backend_config = {"max_pinned_fraction": 0.25, "host_cache_gb": HOST_BYTES / (1 << 30),
                       "disk_cache_dir": str(tmp_path_factory.mktemp("disk-cache")),
-                      "disk_cache_gb": 1}
+                      "disk_cache_gb": 1,
+                      "explain_misses": str(log_path.parent / EXPLAIN_FILE)}
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", tiny_model,
            "--kv-backend", "kvbackend", "--kv-backend-config", json.dumps(backend_config),
            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
@@ -289,3 +291,91 @@ def test_bad_request_options_get_http_400(server, xargs, option):
     assert option in response["error"]["message"], response
     status, response = _post_completion(server, {**body, "vllm_xargs": {"kv_pin": "true"}})
     assert status == 200, response
+
+
+# ------------------------------------------------------------ explain_misses
+def test_explain_misses_names_each_reason_and_position(server, tiny_model, capsys):
+    """Requests built to miss for each reason the server can show; each record names it
+    at its position. (``evicted`` needs a prefix gone from every tier: with this
+    module's disk tier only a prompt shorter than a block, which no tier stores.)
+    A salt of its own keeps other tests' prompts out of the way; each independent
+    prompt starts with its own token. Records are told apart by prompt length; only
+    lines written by this test count."""
+    path = server.log_path.parent / EXPLAIN_FILE
+    start = path.stat().st_size
+    rng, first_tokens, salt = random.Random(4242), iter(range(*VOCAB)), "explain-test"
+
+    def prompt(n: int) -> list[int]:
+        return [next(first_tokens)] + _tokens(rng, n - 1)
+
+    def send(tokens: list[int], **extra) -> None:
+        server.complete(tokens, **{"cache_salt": salt, **extra})
+
+    def records(length: int) -> list[dict]:
+        with open(path) as f:
+            f.seek(start)
+            return [r for r in map(json.loads, f) if r["prompt_tokens"] == length]
+
+    def lost(record: dict) -> list[tuple[str, int, int]]:
+        return [(s["reason"], s["start"], s["end"]) for s in record["lost"]]
+
+    base = prompt(301)
+    send(base)
+    (never,) = records(301)
+    assert never["namespace"].startswith("ns-") and salt not in json.dumps(never)
+    assert never["reused_tokens"] == 0
+    assert lost(never) == [("never_seen", 0, 300), ("final_token", 300, 301)]
+
+    k = 150  # a changed token, like a timestamp in a system prompt
+    changed = base[:k] + [base[k] % 500 + 4] + base[k + 1:] + _tokens(rng, 1)
+    send(changed)
+    (diverged,) = records(302)
+    assert diverged["reused"] == {"device": k}
+    assert lost(diverged) == [("diverged", k, 301), ("final_token", 301, 302)]
+    window = diverged["lost"][0]
+    assert window["position"] == k and window["before"] == base[k - 8:k]
+    assert window["request"] == changed[k:k + 8] and window["cached"] == base[k:k + 8]
+
+    send(base + [7, 8, 9], cache_salt="explain-other")  # another tenant: nothing shared
+    (other,) = records(304)
+    assert other["namespace"] not in ("default", never["namespace"])
+    assert lost(other) == [("other_namespace", 0, 301), ("never_seen", 301, 303),
+                           ("final_token", 303, 304)]
+    assert other["lost"][0]["namespace"] == never["namespace"]
+
+    send(base + _tokens(rng, 4), prompt_logprobs=1)
+    (disabled,) = records(305)
+    assert lost(disabled) == [("lookup_disabled", 0, 305)]
+
+    twins = prompt(306)  # n=2: two requests admitted in one step
+    send(twins, n=2, temperature=1.0, seed=1)
+    first, second = records(306)
+    full = 305 // BLOCK_SIZE * BLOCK_SIZE  # the partial block is being written in that step
+    assert lost(first) == [("never_seen", 0, 305), ("final_token", 305, 306)]
+    assert lost(second) == [("same_step_block", full, 305), ("final_token", 305, 306)]
+
+    short, document = prompt(20), prompt(307)
+    send(short)
+    send(document)
+    for _ in range(3):  # 141 blocks: more than the device's unpinned ones
+        send(prompt(1500))
+    send(document)
+    send(short)
+    _, from_tiers = records(307)
+    aligned = 306 // BLOCK_SIZE * BLOCK_SIZE
+    assert from_tiers["reused"]["device"] == 0, from_tiers
+    tiers = {tier: n for tier, n in from_tiers["reused"].items() if tier != "device"}
+    assert set(tiers) <= {"host", "disk"} and sum(tiers.values()) == aligned, from_tiers
+    assert lost(from_tiers) == [("block_alignment", aligned, 306), ("final_token", 306, 307)]
+    _, evicted = records(20)
+    assert lost(evicted) == [("evicted", 0, 19), ("final_token", 19, 20)]
+    assert evicted["lost"][0]["tier"] == "device"
+
+    from kvbackend.cli import main
+    assert main(["explain", str(path), "--tokenizer", tiny_model]) == 0
+    summary = capsys.readouterr().out
+    for reason in ("never_seen", "diverged", "other_namespace", "lookup_disabled",
+                   "same_step_block", "block_alignment", "evicted", "final_token"):
+        assert reason in summary
+    assert f"token {k}: 1 requests" in summary
+    assert "Traceback" not in server.log()
