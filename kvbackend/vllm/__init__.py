@@ -26,23 +26,25 @@ def engine_kwargs(**config: Any) -> dict[str, Any]:
     """Plain vLLM keyword arguments that select kvbackend with ``config``.
 
     Takes the keys of ``--kv-backend-config``; unknown keys raise ValueError.
-    vLLM's own hash-based prefix caching is switched off (kvbackend replaces it)
-    and so is async scheduling, which kvbackend does not serve. A no-op logits
-    processor checks each request's ``kv_priority``/``kv_pin`` in the API process
-    (bad values: HTTP 400, or an error from ``LLM.generate``). With a host or
-    disk tier configured, kvbackend's tier connector is selected as vLLM's KV
-    connector (``kv_transfer_config``); failed tier loads are recomputed.
+    vLLM's own hash-based prefix caching is switched off (kvbackend replaces it).
+    A no-op logits processor checks each request's ``kv_priority``/``kv_pin`` in
+    the API process (bad values: HTTP 400, or an error from ``LLM.generate``).
+    With a host or disk tier configured, kvbackend's tier connector is selected
+    as vLLM's KV connector (``kv_transfer_config``); failed tier loads are
+    recomputed, and async scheduling is switched off (tier loads are not ordered
+    with the steps it overlaps). Without a tier vLLM's choice of async scheduling
+    stands.
     """
     backend_config = KVBackendConfig.from_dict(config)
     kwargs: dict[str, Any] = {
         "scheduler_cls": SCHEDULER_CLS,
         "enable_prefix_caching": False,
-        "async_scheduling": False,
         "logits_processors": [OPTIONS_VALIDATOR],
         "additional_config": {ADDITIONAL_CONFIG_KEY: backend_config.to_dict()},
     }
     if backend_config.tiers_enabled:
         kwargs["kv_transfer_config"] = tier_transfer_config(backend_config)
+        kwargs["async_scheduling"] = False
     return kwargs
 
 

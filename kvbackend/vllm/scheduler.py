@@ -3,7 +3,10 @@
 Selected with ``scheduler_cls="kvbackend.vllm.scheduler.KVBackendScheduler"``
 (``engine_kwargs`` and ``--kv-backend kvbackend`` set it); it runs in the
 engine-core process and reads its configuration from
-``VllmConfig.additional_config["kvbackend"]``.
+``VllmConfig.additional_config["kvbackend"]``. vLLM settles async scheduling
+only after the scheduler class is named, so the one name builds
+``KVBackendAsyncScheduler`` (derived from vLLM's ``AsyncScheduler``) when async
+scheduling is on, and ``KVBackendScheduler`` otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, KVCacheConfig, RSWASpec
 
@@ -44,7 +48,9 @@ def unsupported_features(config: VllmConfig,
         "KV connectors other than kvbackend's tier connector (--kv-transfer-config)":
             (config.kv_transfer_config is not None
              and not is_tier_connector(config.kv_transfer_config)),
-        "async scheduling (pass --no-async-scheduling)": bool(sched.async_scheduling),
+        # Tier loads write device blocks outside the step order async scheduling relies on.
+        "async scheduling together with host/disk/remote tiers (pass --no-async-scheduling)":
+            bool(sched.async_scheduling) and is_tier_connector(config.kv_transfer_config),
         "priority scheduling (use the default fcfs policy)": sched.policy != "fcfs",
         "encoder-decoder models": model.is_encoder_decoder,
         # vLLM picks its DiffusionScheduler only when no scheduler class is set.
@@ -73,6 +79,11 @@ def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:
 class KVBackendScheduler(Scheduler):
     """vLLM's ``Scheduler`` with its KV-cache manager replaced by kvbackend's."""
 
+    def __new__(cls, vllm_config: VllmConfig, *args: Any, **kwargs: Any) -> KVBackendScheduler:
+        if cls is KVBackendScheduler and vllm_config.scheduler_config.async_scheduling:
+            cls = KVBackendAsyncScheduler
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         refused = unsupported_features(self.vllm_config, self.kv_cache_config)
@@ -97,3 +108,8 @@ class KVBackendScheduler(Scheduler):
         if self.connector is not None:  # kvbackend's tier connector (checked above)
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
             self.kv_cache_manager.tier_hit_sources = self.connector.get_external_cache_hit_sources
+
+
+class KVBackendAsyncScheduler(KVBackendScheduler, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with kvbackend's KV-cache manager (see the manager's
+    docstring for what "computed" means while a step is in flight)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -40,9 +41,19 @@ def test_selected_sets_scheduler_and_config():
     args = parse(ARGV + ["--kv-backend", "kvbackend",
                          "--kv-backend-config", '{"max_pinned_fraction": 0.25}'])
     assert args.scheduler_cls == SCHEDULER_CLS
-    assert args.enable_prefix_caching is False and args.async_scheduling is False
+    assert args.enable_prefix_caching is False
+    assert args.async_scheduling is None  # vLLM decides (on a GPU: on)
     assert args.additional_config[ADDITIONAL_CONFIG_KEY]["max_pinned_fraction"] == 0.25
     assert args.kv_transfer_config is None  # no tier keys: no connector
+
+
+def test_tiers_turn_async_scheduling_off_and_refuse_it_when_asked_for():
+    register()
+    tiers = ["--kv-backend", "kvbackend", "--kv-backend-config", '{"host_cache_gb": 1}']
+    assert parse(ARGV + tiers).async_scheduling is False
+    with pytest.raises(ValueError, match="tiers do not serve async scheduling"):
+        parse(ARGV + tiers + ["--async-scheduling"])
+    assert parse(ARGV + tiers[:2] + ["--async-scheduling"]).async_scheduling is True
 
 
 def test_loading_the_plugin_does_not_load_numba():
