@@ -213,6 +213,11 @@ class PrefixCache:
         self._pinned_blocks[key] = cost
         return True
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks the pinned prefixes cover (what ``max_pinned_fraction`` bounds). O(pins)."""
+        return sum(self._pinned_blocks.values())
+
     def unpin(self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None) -> None:
         self.tree.unpin(tokens, namespace)
         del self._pinned_blocks[(namespace, as_token_array(tokens).tobytes())]

@@ -32,6 +32,33 @@ vLLM has by then cut ``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
 the same blocks. Nothing another request can match ever comes from a failed load.
 
+Async scheduling (``KVBackendAsyncScheduler``): step N+1 is scheduled while
+step N runs, so ``num_computed_tokens`` counts tokens whose step has not run
+and output placeholders (tokens not sampled yet). kvbackend keeps vLLM's own
+rule, and the reason it is safe: the worker runs steps, their block copies and
+their KV writes in the order they were scheduled (one device stream), so what
+a step reads was written by an earlier step, or by the same step before the
+attention that reads it. Hence:
+
+- *publishing*: tokens are published when scheduled, never beyond
+  ``request.num_tokens`` (token ids known; a placeholder is never published),
+  so a request admitted in step N+1 may hit blocks step N writes: they are
+  written before step N+1 runs. ``cache_blocks``, which vLLM's async scheduler
+  calls after each output with the tokens computed so far, finds nothing new.
+- *copy-on-write*: a partial hit is copied before its own step's forward pass,
+  so only blocks written in *that* step are refused as sources (above); a
+  source written by the in-flight step N is complete before step N+1's copies
+  run. Sources are released when the next step is scheduled: a block handed
+  out again then is written by a later step, after the copy.
+- *frees*: a request freed (finished, aborted, preempted) while step N still
+  writes its blocks returns them at once, as vLLM does: whoever gets them
+  writes in step N+1 or later, after step N's writes. vLLM defers frees
+  (``pop_blocks_for_free``) only for a connector that loads into blocks
+  outside the step order; kvbackend's tier connector is such a writer, so
+  async scheduling with tiers is refused at start and failed tier loads keep
+  the handling above. ``tests/vllm/test_async_scheduling.py`` checks every
+  read of every step against the token prefix its slot holds.
+
 vLLM's ``KVCacheManager`` surface (``tests/vllm/test_manager_surface.py`` fails
 when vLLM adds a public member that this table does not name):
 
@@ -39,7 +66,8 @@ when vLLM adds a public member that this table does not name):
     get_computed_blocks                overridden  token-exact tree match
     allocate_slots                     overridden  open / extend a sequence, publish
     free                               overridden  publish, then release
-    cache_blocks                       overridden  publish what a failed load left valid
+    cache_blocks                       overridden  publish what is known computed (after a
+                                                   failed load; after async outputs)
     get_blocks                         overridden  the sequence's block table
     estimate_cached_tokens             overridden  tokens under the locked node
     usage                              overridden  held blocks of kvbackend's pool
@@ -48,7 +76,8 @@ when vLLM adds a public member that this table does not name):
     new_step_starts                    overridden  copies ran; step's writes are done
     evict_blocks                       overridden  checks no failed block is published
     remove_skipped_blocks              overridden  full attention: nothing leaves a window
-    pop_blocks_for_free                overridden  deferred frees are refused
+    pop_blocks_for_free                overridden  deferred frees: refused (only for
+                                                   connectors loading out of step order)
     finalize_partial_tail_offloads     overridden  Mamba "align" only: none
     get_computed_blocks_for_connector  inherited   not Mamba: calls get_computed_blocks
     get_block_ids                      inherited   reads get_blocks
@@ -133,6 +162,7 @@ class KVBackendManager(KVCacheManager):
         self.miss_log = (MissLog(backend_config.explain_misses, self.cache.tree)
                          if backend_config.explain_misses else None)
         self.tier_hit_sources = None  # the tier connector's get_external_cache_hit_sources
+        self.hit_tokens = 0  # device tokens reused at admission, all namespaces (monotone)
 
     # ------------------------------------------------------------- lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
@@ -206,6 +236,7 @@ class KVBackendManager(KVCacheManager):
             allocated = seq.block_ids[match.num_full_blocks:]
             tracked.sequence, tracked.match = seq, None
             self.cache.tree.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
+            self.hit_tokens += match.num_tokens
             new_block_ids = seq.block_ids  # all of them are new to the request's table
         else:
             if _cdiv(total, self.block_size) - len(seq.block_ids) > headroom:
@@ -226,7 +257,7 @@ class KVBackendManager(KVCacheManager):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
         if tracked is not None and tracked.sequence is not None:
-            self._publish(request, tracked, num_computed_tokens, force=True)
+            self._publish(request, tracked, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Publish every computed token (partial tail included), then release."""
@@ -239,7 +270,8 @@ class KVBackendManager(KVCacheManager):
         self.cache.release(tracked.sequence)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        raise NotImplementedError("deferred block frees need async scheduling or pipeline "
+        raise NotImplementedError("deferred block frees serve KV connectors that load outside "
+                                  "the step order under async scheduling or pipeline "
                                   "parallelism, which kvbackend refuses at start-up")
 
     def evict_blocks(self, block_ids: set[int]) -> None:

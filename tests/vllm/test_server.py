@@ -129,8 +129,9 @@ def test_bad_start_exits_with_clear_message(bad_starts, case):
 
 # ------------------------------------------------------------------ server
 class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, model: str, log_path) -> None:
-        self.proc, self.model, self.log_path = proc, model, log_path
+    def __init__(self, proc: subprocess.Popen, port: int, model: str, log_path,
+                 disk_dir: str | None = None) -> None:
+        self.proc, self.model, self.log_path, self.disk_dir = proc, model, log_path, disk_dir
         self.base = f"http://127.0.0.1:{port}"
 
     def complete(self, prompt: list[int], **extra) -> dict:
@@ -143,13 +144,17 @@ class Server:
         except urllib.error.HTTPError as e:
             pytest.fail(f"HTTP {e.code}: {e.read().decode(errors='replace')}")
 
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
     def prefix_metrics(self) -> tuple[float, float]:
         """(``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``)."""
-        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
-            text = r.read().decode()
+        text = self.metrics_text()
         values = {}
         for name in ("queries", "hits"):
-            found = re.findall(rf"^vllm:prefix_cache_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            pattern = rf"^vllm:prefix_cache_{name}_total(?:{{[^}}]*}})? (\S+)$"
+            found = re.findall(pattern, text, re.M)
             assert found, f"vllm:prefix_cache_{name}_total missing from /metrics"
             values[name] = sum(float(v) for v in found)
         return values["queries"], values["hits"]
@@ -183,9 +188,9 @@ def server(tiny_model, tmp_path_factory):
     host) and a disk tier."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
+    disk_dir = str(tmp_path_factory.mktemp("disk-cache"))
     backend_config = {"max_pinned_fraction": 0.25, "host_cache_gb": HOST_BYTES / (1 << 30),
-                      "disk_cache_dir": str(tmp_path_factory.mktemp("disk-cache")),
-                      "disk_cache_gb": 1,
+                      "disk_cache_dir": disk_dir, "disk_cache_gb": 1,
                       "explain_misses": str(log_path.parent / EXPLAIN_FILE)}
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", tiny_model,
            "--kv-backend", "kvbackend", "--kv-backend-config", json.dumps(backend_config),
@@ -209,7 +214,7 @@ def server(tiny_model, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"no /health within {STARTUP_TIMEOUT_S} s:\n{_tail(log_path)}")
             time.sleep(1)
-        yield Server(proc, port, tiny_model, log_path)
+        yield Server(proc, port, tiny_model, log_path, disk_dir)
     finally:
         _kill_group(proc)
 
@@ -291,6 +296,128 @@ def test_bad_request_options_get_http_400(server, xargs, option):
     assert option in response["error"]["message"], response
     status, response = _post_completion(server, {**body, "vllm_xargs": {"kv_pin": "true"}})
     assert status == 200, response
+
+
+# ------------------------------------------------------------------ metrics
+def _kvbackend_series(server: Server) -> dict[tuple[str, str], float]:
+    """{(series name, tier): value} of every ``kvbackend:`` sample, summed over the
+    other labels."""
+    values: dict[tuple[str, str], float] = {}
+    for name, labels, value in re.findall(r"^(kvbackend:\w+)\{([^}]*)\} (\S+)$",
+                                          server.metrics_text(), re.M):
+        tier = re.search(r'tier="(\w+)"', labels)
+        assert tier is not None, f"{name}{{{labels}}} has no tier label"
+        if 'le="' not in labels:
+            key = (name.removeprefix("kvbackend:"), tier.group(1))
+            values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def _moved(server: Server, before: dict, expected: dict) -> dict[tuple[str, str], float]:
+    """The series' change since ``before``, once every ``expected`` series has moved at
+    least that far (stats reach the API process a step after the request's output)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = _kvbackend_series(server)
+        delta = {key: now.get(key, 0.0) - before.get(key, 0.0) for key in now}
+        if all(delta.get(key, 0) >= n for key, n in expected.items()):
+            return delta
+        if time.monotonic() > deadline:
+            pytest.fail(f"series did not move as expected: {expected} vs {delta}")
+        time.sleep(0.1)
+
+
+def _corrupt_block_files(directory: str) -> int:
+    """Flip a byte inside the payload of every block file under ``directory``."""
+    count = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            size = os.path.getsize(path)
+            if size > BLOCK_NBYTES:
+                with open(path, "r+b") as f:
+                    f.seek(size // 2)
+                    byte = f.read(1)
+                    f.seek(size // 2)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                count += 1
+    return count
+
+
+def test_metrics_per_tier(server):
+    """Requests built to hit each tier move that tier's ``kvbackend:`` series by the
+    exact amount: a device hit, a prefix pushed out of the device but still on host,
+    one pushed out of host too (disk), then corrupted disk blocks (verification).
+    Device 128 blocks, host 256 (module fixture); a salt keeps other tests' prefixes
+    out of the way, and each prompt starts with its own token, so no two share one."""
+    salt, rng = "metrics-test", random.Random(2026)
+    first_tokens = iter(range(VOCAB[1] - 1, VOCAB[0], -1))  # other tests count up
+
+    def prompt(n: int) -> list[int]:
+        return [next(first_tokens)] + _tokens(rng, n - 1)
+
+    def send(tokens: list[int], **extra) -> dict:
+        return server.complete_and_count(tokens, cache_salt=salt, **extra)[0]
+
+    def flood(num_prompts: int) -> None:
+        for _ in range(num_prompts):  # 32 blocks each
+            server.complete(prompt(1024), cache_salt=salt)
+
+    hit = 608  # of a 640-token prompt: 19 blocks (the last token is always computed)
+    hit_bytes = hit // BLOCK_SIZE * BLOCK_NBYTES
+
+    def tier_hit(tokens: list[int], tier: str) -> None:
+        """Send ``tokens``: all ``hit`` tokens come from ``tier``, in one load step."""
+        before = _kvbackend_series(server)
+        send(tokens)
+        delta = _moved(server, before, {("hit_tokens_total", tier): hit,
+                                        ("load_bytes_total", tier): hit_bytes})
+        assert delta[("hit_tokens_total", tier)] == hit
+        assert delta[("load_bytes_total", tier)] == hit_bytes
+        assert delta[("load_seconds_count", tier)] == 1  # one step, one rank
+        assert all(delta.get(("hit_tokens_total", other), 0) == 0
+                   for other in ("device", "host", "disk") if other != tier)
+
+    start = _kvbackend_series(server)
+    send(prompt(64), vllm_xargs={"kv_pin": True})
+    delta = _moved(server, start, {("pinned_blocks", "device"): 2})
+    assert delta[("pinned_blocks", "device")] == 2
+
+    evicted_twice, corrupted = prompt(640), prompt(640)
+    before = _kvbackend_series(server)
+    send(evicted_twice)
+    delta = _moved(server, before, {("save_bytes_total", "host"): 20 * BLOCK_NBYTES,
+                                    ("save_bytes_total", "disk"): 20 * BLOCK_NBYTES})
+    assert delta[("save_bytes_total", "host")] == delta[("save_bytes_total", "disk")] \
+        == 20 * BLOCK_NBYTES  # 640 prompt tokens: 20 full blocks, all new
+    send(corrupted)
+    flood(9)  # 288 blocks: both leave the device and the host tier
+    on_host = prompt(640)
+    send(on_host)
+
+    before = _kvbackend_series(server)
+    send(on_host[:hit] + [on_host[hit] % 500 + 4] + _tokens(rng, 31))
+    delta = _moved(server, before, {("hit_tokens_total", "device"): hit})
+    assert delta[("hit_tokens_total", "device")] == hit
+    assert delta.get(("hit_tokens_total", "host"), 0) == 0
+
+    flood(6)  # 192 blocks: on_host leaves the device, not the host tier
+    tier_hit(on_host, "host")
+    tier_hit(evicted_twice, "disk")
+
+    assert _corrupt_block_files(server.disk_dir) > 0
+    before = _kvbackend_series(server)
+    response = send(corrupted)  # offered from disk; every read fails its checksum
+    assert len(response["choices"][0]["text"].split()) == 4  # recomputed and served
+    delta = _moved(server, before, {("verify_failed_blocks_total", "disk"): hit // BLOCK_SIZE})
+    assert delta[("verify_failed_blocks_total", "disk")] == hit // BLOCK_SIZE
+    assert delta.get(("load_bytes_total", "disk"), 0) == 0
+
+    now = _kvbackend_series(server)
+    assert 0 < now[("used_bytes", "host")] <= now[("capacity_bytes", "host")] == HOST_BYTES
+    assert 0 < now[("used_bytes", "disk")] <= now[("capacity_bytes", "disk")] == 1 << 30
+    assert 0 < now[("used_bytes", "device")] <= now[("capacity_bytes", "device")] <= DEVICE_BYTES
+    assert "Traceback" not in server.log()
 
 
 # ------------------------------------------------------------ explain_misses

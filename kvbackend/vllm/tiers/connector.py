@@ -14,10 +14,16 @@ class only adapts vLLM's calls to the part of its role:
     ``update_connector_output`` -> ``step_finished`` (``kv_load_failure_policy``
     is "recompute"; the manager publishes loaded tokens only once they are known
     good), ``request_finished``, and ``reset_cache`` -> ``reset``.
+    ``get_kv_connector_stats``: hit tokens per tier, the device's occupancy and
+    pinned blocks (read from the bound ``KVBackendManager``), when they changed.
   WORKER (each worker process): ``TierWorker`` carries out the orders:
     ``start_load_kv`` (before the forward pass when the step loads) ->
     ``start_step``, ``wait_for_save`` (after it) -> ``finish_step``,
-    ``get_block_ids_with_load_errors`` -> ``take_load_errors``.
+    ``get_block_ids_with_load_errors`` -> ``take_load_errors``,
+    ``get_kv_connector_stats`` -> ``take_stats``.
+
+Stats: ``kvbackend.vllm.tiers.metrics`` (``build_kv_connector_stats``,
+``build_prom_metrics``): the ``kvbackend:`` series in vLLM's ``/metrics``.
 
 Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
 disk tier separates TP ranks by directory and header, the remote tier by key
@@ -32,6 +38,7 @@ nothing here raises into vLLM.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -48,6 +55,7 @@ from kvbackend.vllm.config import TIER_KEYS, KVBackendConfig
 from kvbackend.vllm.namespace import namespace_bytes, request_namespace
 from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, StepOrders
+from kvbackend.vllm.tiers.metrics import KVBackendPromMetrics, KVBackendStats
 from kvbackend.vllm.tiers.planner import TierPlanner
 from kvbackend.vllm.tiers.worker import TierWorker, cache_layers
 
@@ -91,6 +99,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         self.planner: TierPlanner | None = None
         self.worker = TierWorker(None)  # until register_kv_caches sets up the tiers
         self._requests: dict[str, Request] = {}  # scheduler: the requests the planner knows
+        self._stats = KVBackendStats()  # scheduler: tier hits since the last report
+        self._device_seen = (0, -1, -1)  # scheduler: (hit tokens, used, pinned) last reported
         if role == KVConnectorRole.SCHEDULER:
             self.planner = self._make_planner()
 
@@ -152,6 +162,10 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         (block_ids,) = blocks.get_block_ids()
         try:
             self.planner.allocated(request.request_id, block_ids, num_external_tokens)
+            if num_external_tokens:
+                for source, n in self.planner.hit_sources(request.request_id,
+                                                          num_external_tokens).items():
+                    self._stats.count("hit_tokens", source.value, n)
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: planning loads failed; they are recomputed")
             self.planner.forget_host()
@@ -188,6 +202,50 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if self.planner is not None:
             self.planner.step_finished(connector_output.invalid_block_ids or ())
 
+    def get_kv_connector_stats(self) -> KVBackendStats | None:
+        """Scheduler: tier hits since the last call, and the device's numbers when they
+        changed; worker: ``TierWorker.take_stats``. None when there is nothing new."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return self.worker.take_stats()
+        stats, self._stats = self._stats, KVBackendStats()
+        try:
+            self._device_stats(stats)
+        except Exception:  # noqa: BLE001 - never fail the step for a metric
+            logger.exception("kvbackend tiers: reading the device cache's numbers failed")
+        return None if stats.is_empty() else stats
+
+    def _device_stats(self, stats: KVBackendStats) -> None:
+        """The device tier's hit tokens since the last report, blocks with content and
+        pinned blocks, from the bound ``KVBackendManager``. O(pins)."""
+        manager = self._kv_cache_manager
+        cache = getattr(manager, "cache", None)
+        if cache is None:  # not kvbackend's manager (refused at start-up)
+            return
+        pool = cache.pool
+        seen = (manager.hit_tokens, pool.num_usable_blocks - pool.num_free,
+                cache.num_pinned_blocks)
+        if seen == self._device_seen:
+            return
+        stats.count("hit_tokens", "device", seen[0] - self._device_seen[0])
+        self._device_seen = seen
+        block_bytes = self.block_nbytes * self._vllm_config.parallel_config.tensor_parallel_size
+        stats.set_gauge("used_bytes", "device", "scheduler", seen[1] * block_bytes)
+        stats.set_gauge("capacity_bytes", "device", "scheduler",
+                        pool.num_usable_blocks * block_bytes)
+        stats.set_gauge("pinned_blocks", "device", "scheduler", seen[2])
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBackendStats:
+        return KVBackendStats(data=copy.deepcopy(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVBackendPromMetrics:
+        return KVBackendPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
         if self.planner is not None:
@@ -213,7 +271,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                 identity = tier_identity(self._vllm_config, self.kv_cache_config,
                                          tp_rank=_tp_rank())
                 remote = RemoteWriter(self._remote_tier(identity), REMOTE_QUEUE_BYTES)
-            self.worker = TierWorker(self._make_mover(kv_caches), remote)
+            self.worker = TierWorker(self._make_mover(kv_caches), remote, rank=_tp_rank())
         except Exception as e:  # noqa: BLE001
             logger.warning("kvbackend tiers: disabled on this worker (its loads are "
                            "recomputed): %s", e)

@@ -18,6 +18,9 @@ layers) at a time, without staging copies on a CPU cache:
   ``take_load_errors``  the blocks that missed or failed verification since the last
                    call; they were scattered nowhere. vLLM unions every rank's errors
                    and recomputes from each request's first failed block.
+  ``take_stats``   bytes, seconds and verification failures per tier since the last
+                   call, and the tiers' occupancy (``kvbackend.vllm.tiers.metrics``):
+                   counted per step and tier, nothing per block.
 
 Saves run here rather than in the next step: on the CPU there is no copy engine
 to overlap with, and a block must be read before any later step can reuse it
@@ -29,6 +32,7 @@ a failed load is recomputed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -36,6 +40,7 @@ import torch
 from kvbackend.ops import BlockMover
 from kvbackend.store.remote_writer import RemoteWriter
 from kvbackend.vllm.tiers.messages import LoadOrder, StepOrders
+from kvbackend.vllm.tiers.metrics import KVBackendStats
 
 logger = logging.getLogger("kvbackend.tiers")
 
@@ -44,12 +49,16 @@ class TierWorker:
     """One worker's tiers and the orders it has carried out. Without a mover (the
     tiers could not be set up on this worker) every load fails and nothing is
     saved. ``remote``: the remote tier's writer (its ``tier`` serves the loads), or
-    None. Calls must not overlap."""
+    None. ``rank`` names this worker's gauges in the stats. Calls must not overlap."""
 
-    def __init__(self, mover: BlockMover | None, remote: RemoteWriter | None = None) -> None:
+    def __init__(self, mover: BlockMover | None, remote: RemoteWriter | None = None,
+                 rank: int = 0) -> None:
         self.mover = mover
         self.remote = remote
+        self.rank = str(rank)
         self._load_errors: set[int] = set()
+        self._stats = KVBackendStats()
+        self._moved = False  # since the last take_stats: the gauges may have changed
 
     def start_step(self, orders: StepOrders) -> None:
         """Clears, drops and loads, before the forward pass. O(drops + loaded bytes)."""
@@ -69,11 +78,11 @@ class TierWorker:
                     mover.host.remove(key)
         except Exception:  # noqa: BLE001 - never fail the step for a cache
             logger.exception("kvbackend tiers: dropping host blocks failed")
+        self._moved = self._moved or bool(orders.clear_host or orders.drops or orders.loads)
         if not orders.loads:
             return
         try:
-            done = mover.load_many([(o.block_id, o.key, o.promote) for o in orders.loads])
-            missed = [o for o, ok in zip(orders.loads, done) if not ok]
+            missed = self._load_local(mover, orders.loads)
             if missed and self.remote is not None:
                 missed = self._load_remote(mover, missed)
         except Exception:  # noqa: BLE001
@@ -81,31 +90,87 @@ class TierWorker:
             missed = list(orders.loads)
         self._load_errors.update(o.block_id for o in missed)
 
+    def _load_local(self, mover: BlockMover, loads: Sequence[LoadOrder]) -> list[LoadOrder]:
+        """Load the blocks host holds, then the rest from disk, each tier timed; returns
+        those neither had."""
+        host = mover.host
+        in_host: list[LoadOrder] = []
+        rest: list[LoadOrder] = []
+        for order in loads:
+            (in_host if host is not None and host.contains(order.key) else rest).append(order)
+        if mover.disk is None:
+            missed, rest = rest, []
+        else:
+            missed = []
+        for tier, part in (("host", in_host), ("disk", rest)):
+            if part:
+                corrupt = _corrupt_count(mover.disk) if tier == "disk" else 0
+                start = time.perf_counter()
+                done = mover.load_many([(o.block_id, o.key, o.promote) for o in part])
+                self._loaded(tier, sum(done), time.perf_counter() - start)
+                if tier == "disk":
+                    self._stats.count("verify_failed_blocks", tier,
+                                      _corrupt_count(mover.disk) - corrupt)
+                missed += [o for o, ok in zip(part, done) if not ok]
+        return missed
+
     def _load_remote(self, mover: BlockMover, loads: list[LoadOrder]) -> list[LoadOrder]:
         """Load ``loads`` from the remote tier (one round trip); returns those it missed."""
-        payloads = self.remote.tier.get_many([o.key for o in loads])
-        mover.load_payloads([(o.block_id, o.key, p, o.promote)
-                             for o, p in zip(loads, payloads) if p is not None])
+        tier = self.remote.tier
+        corrupt, start = _corrupt_count(tier), time.perf_counter()
+        payloads = tier.get_many([o.key for o in loads])
+        found = [(o.block_id, o.key, p, o.promote) for o, p in zip(loads, payloads)
+                 if p is not None]
+        mover.load_payloads(found)
+        self._loaded("remote", len(found), time.perf_counter() - start)
+        self._stats.count("verify_failed_blocks", "remote", _corrupt_count(tier) - corrupt)
         return [o for o, p in zip(loads, payloads) if p is None]
+
+    def _loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
+        self._stats.count("load_bytes", tier, num_blocks * self.mover.block_nbytes)
+        self._stats.observe("load_seconds", tier, seconds)
 
     def finish_step(self, orders: StepOrders) -> None:
         """The saves, after the forward pass. O(saved bytes) plus a stat per disk save."""
         mover = self.mover
-        if mover is None:
+        if mover is None or not orders.saves:
             return
+        self._moved = True
+        # Per tier: blocks saved; blocks timed and their seconds (a block saved to host
+        # and disk is timed as disk: one gather serves both).
+        blocks = {"host": 0, "disk": 0, "remote": 0}
+        timed = {"host": 0, "disk": 0, "remote": 0}
+        seconds = {"host": 0.0, "disk": 0.0, "remote": 0.0}
         try:
             remote = []
             for order in orders.saves:
+                start = time.perf_counter()
+                to_host = order.to_host and mover.host is not None
                 to_disk = (order.to_disk and mover.disk is not None
                            and not mover.disk.contains(order.key))
-                mover.save(order.block_id, order.key, order.to_host, to_disk)
+                mover.save(order.block_id, order.key, to_host, to_disk)
+                blocks["host"] += to_host
+                blocks["disk"] += to_disk
+                if to_host or to_disk:
+                    tier = "disk" if to_disk else "host"
+                    timed[tier] += 1
+                    seconds[tier] += time.perf_counter() - start
                 if order.to_remote and self.remote is not None:
+                    start = time.perf_counter()
                     remote.append((order.key, mover.gather(order.block_id), mover.block_size))
+                    seconds["remote"] += time.perf_counter() - start
             if remote:
+                start = time.perf_counter()
                 self.remote.submit(remote)
+                seconds["remote"] += time.perf_counter() - start
+                blocks["remote"] = timed["remote"] = len(remote)
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: saving blocks failed; they will be recomputed "
                              "when needed")
+        for tier, n in blocks.items():
+            self._stats.count("save_bytes", tier, n * mover.block_nbytes)
+            if timed[tier]:
+                self._stats.observe("save_seconds", tier, seconds[tier])
 
     def close(self) -> None:
         """Send the remote saves still queued (a few seconds at most); stop using the
@@ -118,6 +183,24 @@ class TierWorker:
         """Block ids whose load failed since the last call. O(1)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_stats(self) -> KVBackendStats | None:
+        """What moved since the last call and, if anything did, the host and disk
+        tiers' occupancy; None when nothing moved. O(1)."""
+        mover = self.mover
+        if not self._moved or mover is None:
+            return None
+        stats, self._stats, self._moved = self._stats, KVBackendStats(), False
+        for tier, store in (("host", mover.host), ("disk", mover.disk)):
+            if store is not None:
+                stats.set_gauge("used_bytes", tier, self.rank, store.bytes_used)
+                stats.set_gauge("capacity_bytes", tier, self.rank, store.max_bytes)
+        return stats
+
+
+def _corrupt_count(tier: object) -> int:
+    """Blocks ``tier`` (a DiskTier or RemoteTier) has found corrupt so far."""
+    return tier.stats().get("corrupt", 0)
 
 
 def cache_layers(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
