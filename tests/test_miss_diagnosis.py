@@ -125,8 +125,8 @@ class DiagnosisMachine(RuleBasedStateMachine):
                 assert tree.lookup(tokens[: n - 1], other, touch=False)[0] >= span.end
             if span.reason == NEVER_SEEN:
                 for other in tree.namespaces():
-                    assert tree.lookup(tokens[: span.start + 1], other, touch=False)[0] \
-                        <= span.start, "another namespace held a never-seen token"
+                    held = tree.lookup(tokens[: n - 1], other, touch=False)[0]
+                    assert held < span.start + BS, "another namespace held a block of it"
         assert pos == n
 
     @invariant()

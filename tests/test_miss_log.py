@@ -129,6 +129,9 @@ def test_another_namespace_holds_the_prompt(harness):
     record = harness.explain(list(range(600, 620)) + [1, 2, 3], namespace=(None, "tenant-c"))
     assert reasons(record)[0] == ("other_namespace", 0, 20)
     assert record["lost"][0]["namespace"] == "default"
+    # Another namespace sharing less than a block (a BOS token, say) is no news.
+    record = harness.explain([50, 1, 2, 3, 4, 5, 6], namespace=(None, "tenant-d"))
+    assert reasons(record)[0] == ("never_seen", 0, 6)
 
 
 def test_cuts_by_the_engine(harness):

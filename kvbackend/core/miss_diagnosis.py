@@ -9,7 +9,8 @@ into consecutive ``LostSpan``s, each with one reason:
                      only; or, after a tier hit, the partial block the tiers (which
                      store whole blocks) could not supply
     evicted          published to the device tree once, gone since (``SeenPrefixes``)
-    other_namespace  another namespace (cache salt / LoRA adapter) holds them
+    other_namespace  another namespace (cache salt / LoRA adapter) holds them, at
+                     least a block's worth (a shared first token, e.g. BOS, is no news)
     diverged         the tree continues past ``position`` with other tokens: a
                      window of the request's and the cached tokens around it
     never_seen       nothing cached, evicted or in another namespace extends here
@@ -156,7 +157,7 @@ def _other_namespace(spans: list[LostSpan], tree: RadixTree, prompt: np.ndarray,
         searched += 1
         if searched >= MAX_OTHER_NAMESPACES:
             break
-    if holder is _NOBODY:  # (None is the default namespace)
+    if holder is _NOBODY or best - pos < tree.block_size:  # (None: the default namespace)
         return pos
     spans.append(LostSpan(OTHER_NAMESPACE, pos, best, {"namespace": holder}))
     return best
