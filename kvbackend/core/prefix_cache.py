@@ -25,8 +25,9 @@ Invariants (checked by ``check_invariants``, on top of the tree's and the pool's
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
-from collections.abc import Hashable, Sequence as Seq
+from collections.abc import Callable, Hashable, Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,7 +64,9 @@ class PrefixCache:
     """Radix tree + block pool + live sequences: the engine-agnostic cache.
 
     ``None`` means "not enough blocks now" (nothing was changed); misuse raises
-    ``ValueError``.
+    ``ValueError``. At most ``max_pinned_fraction`` of the usable blocks are pinned
+    and ``max_retained_fraction`` retained (``release(retain_s=...)``); ``clock``
+    (seconds) times retentions.
     """
 
     def __init__(
@@ -73,12 +76,18 @@ class PrefixCache:
         *,
         reserve_null_block: bool = True,
         max_pinned_fraction: float = 0.5,
+        max_retained_fraction: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0.0 <= max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must lie in [0, 1], got {max_pinned_fraction}")
+        for name, value in (("max_pinned_fraction", max_pinned_fraction),
+                            ("max_retained_fraction", max_retained_fraction)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {value}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, reserve_null_block=reserve_null_block)
-        self.tree = RadixTree(block_size, self.pool)
+        self.tree = RadixTree(
+            block_size, self.pool, clock=clock,
+            max_retained_blocks=int(max_retained_fraction * self.pool.num_usable_blocks))
         self.max_pinned_blocks = int(max_pinned_fraction * self.pool.num_usable_blocks)
         self._pinned_blocks: dict[tuple[Hashable, bytes], int] = {}
         self._sequences: dict[int, Sequence] = {}
@@ -189,13 +198,22 @@ class PrefixCache:
         self._sequences[child.seq_id] = child
         return child
 
-    def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s blocks and lock; cached blocks stay matchable. O(depth + blocks)."""
+    def release(self, seq: Sequence, *, retain_s: float = 0) -> bool:
+        """Drop ``seq``'s blocks and lock; cached blocks stay matchable. With ``retain_s``
+        the tokens it cached (``num_locked_tokens``) stay ahead of ordinary entries
+        that long (``RadixTree.retain``); returns whether they are retained.
+        O(depth + blocks), plus ``retain``'s cost.
+        """
         self._check_live(seq)
+        retained = False
+        if retain_s and seq.num_locked_tokens:
+            node = self.tree.split_at(seq.node, seq.num_locked_tokens)
+            retained = self.tree.retain(node, retain_s)
         seq.released = True
         del self._sequences[seq.seq_id]
         self.pool.unref(seq.block_ids, hold=True)
         self.tree.unlock(seq.node)
+        return retained
 
     # -------------------------------------------------------------- retention
     def pin(self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None) -> bool:
@@ -227,8 +245,9 @@ class PrefixCache:
         return self.tree.evict(num_blocks)
 
     def clear(self) -> None:
-        """Drop every pin and every cached block no sequence holds."""
+        """Drop every pin, every retention and every cached block no sequence holds."""
         self.tree.unpin_all()
+        self.tree.drop_retentions()
         self._pinned_blocks.clear()
         self.tree.evict(self.pool.num_blocks)
 

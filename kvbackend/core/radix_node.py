@@ -33,6 +33,7 @@ class RadixNode:
         "start",
         "block_ids",
         "lock_ref",
+        "retain_count",
         "priority",
         "last_access",
         "node_id",
@@ -55,10 +56,12 @@ class RadixNode:
         self.start = start
         self.block_ids = block_ids
         self.lock_ref = 0
+        self.retain_count = 0
         self.priority = 0
         self.last_access = 0
         self.node_id = node_id
-        self.evict_key: tuple[int, int, int] | None = None  # key in the evictable set, if in it
+        # (retained, priority, last_access, node_id): its key in the evictable set, if in it
+        self.evict_key: tuple[int, int, int, int] | None = None
 
     @property
     def end(self) -> int:

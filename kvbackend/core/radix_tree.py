@@ -20,6 +20,20 @@ A node's priority is that of the request that inserted its tokens, raised to the
 highest priority of any later insert through it (SGLang's rule); a continuation
 inserted with a lower priority than its prefix gets a node of its own.
 
+A *retention* (``retain``) keeps a finished request's context -- the path from a
+root to a node -- ahead of ordinary entries until its expiry time on an injected
+clock: eviction orders unlocked leaves by (retained, priority, last access), so
+every ordinary leaf goes before any retained one, whatever their priorities, and
+among retained leaves the lower priority, then the least recently used, goes first.
+Locked and pinned nodes are never evictable, retained or not. An expired retention
+leaves its nodes exactly as if it had never been made (their priority and last use
+were never changed by it). Expiry is lazy: ``evict``, ``insert`` and ``retain`` first
+end every retention whose time is up. The retained blocks (each retention's context
+counted when it was made) never exceed ``max_retained_blocks``: a new retention
+first ends those on its own path that expire no later (an agent's earlier turns),
+then the oldest ones until it fits. Eviction trims a retention to what stays cached
+(a removed end node hands it to its parent; one with nothing left ends).
+
 Invariants (checked by ``check_invariants``):
     * children[t].tokens[0] == t; child.start == parent.end; child.parent is parent
     * every non-root node has >= 1 token and exactly
@@ -28,7 +42,10 @@ Invariants (checked by ``check_invariants``):
     * priority(parent) >= priority(child) below a root
     * lock_ref(node) >= sum(lock_ref(child)); a root's lock_ref is 0
     * the evictable set holds exactly the non-root leaves with lock_ref == 0,
-      each under its current key (priority, last_access, node_id)
+      each under its current key (retain_count > 0, priority, last_access, node_id)
+    * retain_count(node) == the live retentions whose end node is the node or below
+      it; so retain_count(parent) >= retain_count(child) below a root; every
+      retention ends at a non-root node in the tree
     * a block listed by two nodes is the last block of one and the first of its
       child, which starts inside it (chains of such pairs); num_held_blocks is the
       number of distinct blocks listed by locked nodes
@@ -40,8 +57,10 @@ Invariants (checked by ``check_invariants``):
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections import Counter
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
@@ -49,6 +68,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from kvbackend.core.radix_node import BLOCK_DTYPE, InsertResult, PrefixMatch, RadixNode
+from kvbackend.core.retention import Retention, RetentionBook
 from kvbackend.core.stats import NamespaceStats
 from kvbackend.core.token_ops import TOKEN_DTYPE, as_token_array, common_prefix_length
 
@@ -66,19 +86,25 @@ class BlockRefs(Protocol):
 class RadixTree:
     """Token-exact prefix index from token runs to KV block ids.
 
-    Eviction removes blocks from the tails of unlocked leaves, lowest priority
-    first, then least recently used: a shared prefix always outlives its suffixes.
+    Eviction removes blocks from the tails of unlocked leaves, ordinary before
+    retained, lowest priority first, then least recently used: a shared prefix
+    always outlives its suffixes. ``clock`` (seconds) times retentions;
+    ``max_retained_blocks`` (None: unbounded) bounds them.
     """
 
-    def __init__(self, block_size: int, blocks: BlockRefs) -> None:
+    def __init__(self, block_size: int, blocks: BlockRefs, *,
+                 max_retained_blocks: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self._blocks = blocks
         self._roots: dict[Hashable, RadixNode] = {}
-        self._evictable = SortedList()  # (priority, last_access, node_id, node) of unlocked leaves
+        self._evictable = SortedList()  # (*evict_key, node) of unlocked leaves
         self._ids = itertools.count(1)
-        self._clock = itertools.count(1)
+        self._uses = itertools.count(1)  # last_access stamps
+        self._now = clock
+        self.retentions = RetentionBook(max_retained_blocks)
         self._pins: dict[tuple[Hashable, bytes], RadixNode] = {}  # (ns, token bytes) -> node
         self._pin_counts: Counter[tuple[Hashable, bytes]] = Counter()  # pin calls per key
         self._pinned_ends: Counter[int] = Counter()  # node_id -> pinned prefixes ending there
@@ -165,6 +191,10 @@ class RadixTree:
             index = (match.num_tokens - 1) // self.block_size - holder.start // self.block_size
             if holder.block_ids[index] != match.block_ids[-1]:
                 return False
+        return self.is_attached(node)
+
+    def is_attached(self, node: RadixNode) -> bool:
+        """Whether ``node`` is (still) in the tree. O(depth)."""
         while not node.is_root:
             if node.parent.children.get(int(node.tokens[0])) is not node:
                 return False
@@ -219,6 +249,7 @@ class RadixTree:
         n, bs = len(tokens), self.block_size
         if len(block_ids) < -(-n // bs):
             raise ValueError(f"{n} tokens need {-(-n // bs)} blocks of {bs}, got {len(block_ids)}")
+        self._expire()
         node = self._root(namespace)
         pos = 0
         while pos < n:
@@ -315,17 +346,54 @@ class RadixTree:
         self._pin_counts.clear()
         self._pinned_ends.clear()
 
+    def retain(self, node: RadixNode, seconds: float) -> bool:
+        """Keep the path to ``node`` (the context, ending exactly at ``node.end``) ahead
+        of ordinary entries for ``seconds`` from now (module docstring).
+
+        Returns False, retaining nothing, for 0 seconds, a root, or a context larger
+        than ``max_retained_blocks``. Ends the retentions on the path that expire no
+        later, then the oldest ones while the new one does not fit.
+        Complexity: O(depth + log n) plus O(depth + log n) per retention ended.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not 0 <= seconds < math.inf:
+            raise ValueError(f"retention seconds must be a finite number >= 0, got {seconds!r}")
+        cost = -(-node.end // self.block_size)
+        if not seconds or node.is_root or not self.retentions.fits(cost):
+            return False
+        now = self._now()
+        self._expire(now)
+        until = now + seconds
+        walk = node
+        while not walk.is_root:
+            for older in self.retentions.ending_at(walk):
+                if older.until <= until:
+                    self._end_retention(older)
+            walk = walk.parent
+        while self.retentions.over_budget(cost):
+            self._end_retention(self.retentions.oldest())
+        self.retentions.add(node, until, cost)
+        self._count_retention(node, +1)
+        return True
+
+    def drop_retentions(self) -> None:
+        """End every retention. O(retentions * (depth + log n))."""
+        for retention in self.retentions:
+            self._end_retention(retention)
+
     def evict(self, num_blocks: int, *, whole_leaves: bool = False) -> int:
         """Free at least ``num_blocks`` blocks if possible; returns how many were freed.
 
-        Takes blocks from the tail of the lowest (priority, last use) unlocked leaf,
-        repeatedly; with ``whole_leaves`` each leaf it takes goes entirely (SGLang's
-        granularity: fewer, larger evictions). Complexity: O(l log n + k) for l
-        leaves touched, k blocks dropped, n evictable leaves.
+        Ends the expired retentions, then takes blocks from the tail of the lowest
+        (retained, priority, last use) unlocked leaf, repeatedly; with ``whole_leaves``
+        each leaf it takes goes entirely (SGLang's granularity: fewer, larger
+        evictions). Complexity: O(l log n + k) for l leaves touched, k blocks
+        dropped, n evictable leaves (plus the expiries, see ``retain``).
         """
+        self._expire()
         freed = skipped = 0
         while freed < num_blocks and skipped < len(self._evictable):
-            leaf = self._evictable[skipped][3]
+            leaf = self._evictable[skipped][4]
             if self._frees_nothing(leaf):
                 skipped += 1
                 continue
@@ -367,7 +435,7 @@ class RadixTree:
         first_new = -(-pos // bs)  # first block index that starts at or after pos
         boundary_is_own = pos % bs == 0 or (
             len(node.block_ids) and node.block_ids[-1] == block_ids[pos // bs])
-        if (not node.is_root and not node.children and boundary_is_own
+        if (not node.is_root and not node.children and boundary_is_own and not node.retain_count
                 and node.priority == priority and not self._is_pinned_end(node)):
             new_blocks = _block_array(block_ids[first_new : -(-end // bs)])
             self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
@@ -397,6 +465,7 @@ class RadixTree:
         upper = RadixNode(node.namespace, node.parent, node.tokens[:k].copy(), node.start,
                           upper_blocks, next(self._ids))
         upper.lock_ref, upper.priority = node.lock_ref, node.priority
+        upper.retain_count = node.retain_count
         upper.last_access = node.last_access
         node.parent.children[int(node.tokens[0])] = upper
         node.tokens = node.tokens[k:].copy()
@@ -407,6 +476,9 @@ class RadixTree:
     def _remove_leaf(self, leaf: RadixNode) -> None:
         parent = leaf.parent
         self._discard(leaf)
+        for retention in self.retentions.move_end(leaf, parent):
+            if parent.is_root:  # nothing of its context is left
+                self._end_retention(retention)
         del parent.children[int(leaf.tokens[0])]
         if parent.is_root:
             if not parent.children:
@@ -450,8 +522,26 @@ class RadixTree:
                         and node.block_ids[0] == node.parent.block_ids[-1])
         return len(node.block_ids) - shares_first
 
+    def _expire(self, now: float | None = None) -> None:
+        """End every retention whose time is up. O(expired * (depth + log n))."""
+        for retention in self.retentions.expired(self._now() if now is None else now):
+            self._end_retention(retention)
+
+    def _end_retention(self, retention: Retention) -> None:
+        self.retentions.remove(retention)
+        self._count_retention(retention.node, -1)
+
+    def _count_retention(self, node: RadixNode, delta: int) -> None:
+        """Add ``delta`` to the retain_count of ``node``'s path; re-key the leaf whose
+        retained flag flips (only a path's deepest node can be a leaf). O(depth + log n)."""
+        while not node.is_root:
+            node.retain_count += delta
+            if node.evict_key is not None and node.evict_key[0] != (node.retain_count > 0):
+                self._refresh(node)
+            node = node.parent
+
     def _touch_path(self, node: RadixNode) -> None:
-        now = next(self._clock)
+        now = next(self._uses)
         while not node.is_root:
             node.last_access = now
             if node.evict_key is not None:
@@ -473,7 +563,7 @@ class RadixTree:
         """Put ``node`` in the evictable set under its current key, or take it out."""
         self._discard(node)
         if not node.is_root and not node.children and node.lock_ref == 0:
-            node.evict_key = (node.priority, node.last_access, node.node_id)
+            node.evict_key = _evict_key(node)
             self._evictable.add((*node.evict_key, node))
 
     # ------------------------------------------------------------- invariants
@@ -502,21 +592,23 @@ class RadixTree:
                             raise RuntimeError(f"{child!r}: an array that is not its own int64")
                     if not node.is_root and child.priority > node.priority:
                         raise RuntimeError(f"{child!r} outranks its parent {node!r}")
+                    if not node.is_root and child.retain_count > node.retain_count:
+                        raise RuntimeError(f"{child!r} is retained more than its parent")
                     child_locks += child.lock_ref
                     stack.append(child)
                 if not node.is_root and node.lock_ref < child_locks:
                     raise RuntimeError(f"{node!r} has fewer locks than its children")
                 if not node.is_root and not node.children and node.lock_ref == 0:
                     expected_evictable.add(node.node_id)
-                key = (node.priority, node.last_access, node.node_id)
-                if node.evict_key is not None and node.evict_key != key:
+                if node.evict_key is not None and node.evict_key != _evict_key(node):
                     raise RuntimeError(f"{node!r} is in the evictable set under a stale key")
-        actual = {entry[2] for entry in self._evictable}
+        actual = {entry[3] for entry in self._evictable}
         if actual != expected_evictable or len(self._evictable) != len(actual):
             raise RuntimeError(f"evictable set {sorted(actual)} != unlocked leaves "
                                f"{sorted(expected_evictable)}")
         self._check_block_sharing()
         self._check_pins()
+        self._check_retentions()
 
     def _check_block_sharing(self) -> None:
         listed: Counter[int] = Counter()  # block -> nodes listing it
@@ -544,6 +636,27 @@ class RadixTree:
                 raise RuntimeError(f"pinned {node!r} no longer spells its tokens")
         if self._pinned_ends != Counter(node.node_id for node in self._pins.values()):
             raise RuntimeError("the pinned-end index disagrees with the pins")
+
+
+    def _check_retentions(self) -> None:
+        self.retentions.check_invariants()
+        expected: Counter[int] = Counter()
+        for retention in self.retentions:
+            node = retention.node
+            if node.is_root or not self.is_attached(node):
+                raise RuntimeError(f"a retention ends at {node!r}, which is not in the tree")
+            while not node.is_root:
+                expected[node.node_id] += 1
+                node = node.parent
+        for node in self.iter_nodes(all_namespaces=True):
+            if node.retain_count != expected[node.node_id]:
+                raise RuntimeError(f"{node!r}: retain_count {node.retain_count} != "
+                                   f"{expected[node.node_id]} retentions through it")
+
+
+def _evict_key(node: RadixNode) -> tuple[int, int, int, int]:
+    """Ordinary before retained, then lower priority, then least recently used."""
+    return (int(node.retain_count > 0), node.priority, node.last_access, node.node_id)
 
 
 def _new_root(namespace: Hashable) -> RadixNode:
