@@ -64,18 +64,22 @@ def render(summary: Summary, top: int, detokenize: Callable[[list[int]], str]) -
     yield f"lost   {lost:,} ({lost / total:.1%}), by cause:"
     for reason, tokens in summary.lost.most_common(top):
         yield (f"  {reason:<16} {tokens:>10,} tokens ({tokens / total:5.1%})  "
-               f"in {summary.lost_requests[reason]:,} requests")
+               f"in {_requests(summary.lost_requests[reason])}")
     if summary.divergences:
         yield "most common divergence points:"
     for position, count in summary.divergences.most_common(top):
         window = summary.windows[position]
-        yield f"  token {position:,}: {count:,} requests"
+        yield f"  token {position:,}: {_requests(count)}"
         yield f"    before   {detokenize(window['before'])}"
         yield f"    request  {detokenize(window['request'])}"
         yield f"    cached   {detokenize(window['cached'])}"
     if summary.malformed:
         yield (f"skipped {len(summary.malformed)} malformed line(s), first line "
                f"{summary.malformed[0]}")
+
+
+def _requests(count: int) -> str:
+    return f"{count:,} request" + ("s" if count != 1 else "")
 
 
 def token_renderer(tokenizer_dir: str | None) -> Callable[[list[int]], str]:

@@ -504,5 +504,5 @@ def test_explain_misses_names_each_reason_and_position(server, tiny_model, capsy
     for reason in ("never_seen", "diverged", "other_namespace", "lookup_disabled",
                    "same_step_block", "block_alignment", "evicted", "final_token"):
         assert reason in summary
-    assert f"token {k}: 1 requests" in summary
+    assert f"token {k}: 1 request\n" in summary
     assert "Traceback" not in server.log()
