@@ -29,7 +29,9 @@ REMOTE_SCHEMES = ("redis", "rediss", "unix")
 class KVBackendConfig:
     """``max_pinned_fraction``: at most this share of the KV blocks may be pinned
     by ``kv_pin`` requests (the rest stays available, so pins cannot starve
-    the engine).
+    the engine). ``max_retained_fraction``: at most this share of the KV blocks
+    may be retained by ``kv_retain_s`` requests (each retention counts its whole
+    context); beyond it the oldest retention becomes ordinary first.
 
     Tiers below the device KV cache (served by ``kvbackend.vllm.tiers.connector``):
     ``host_cache_gb``: GiB of host memory per worker for evicted KV blocks (0: off);
@@ -54,6 +56,7 @@ class KVBackendConfig:
     """
 
     max_pinned_fraction: float = 0.5
+    max_retained_fraction: float = 0.5
     host_cache_gb: float = 0.0
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
@@ -64,10 +67,11 @@ class KVBackendConfig:
     explain_misses: str | None = None
 
     def __post_init__(self) -> None:
-        value = self.max_pinned_fraction
-        if not _is_number(value) or not 0 <= value <= 1:
-            raise ValueError(f"kvbackend: max_pinned_fraction must be a number in [0, 1], "
-                             f"got {value!r}")
+        for name in ("max_pinned_fraction", "max_retained_fraction"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value <= 1:
+                raise ValueError(f"kvbackend: {name} must be a number in [0, 1], "
+                                 f"got {value!r}")
         for name in ("host_cache_gb", "disk_cache_gb"):
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < float("inf"):

@@ -1,7 +1,8 @@
 """Per-request kvbackend options in ``SamplingParams.extra_args``: one parser, two users.
 
-``kv_priority`` (an int, default 0) and ``kv_pin`` (a bool, default false) steer
-eviction. They arrive offline as ``SamplingParams(extra_args={...})`` and through
+``kv_priority`` (an int, default 0), ``kv_pin`` (a bool, default false) and
+``kv_retain_s`` (seconds, a finite number >= 0, default 0: after the request ends,
+its whole context stays ahead of ordinary entries that long) steer eviction. They arrive offline as ``SamplingParams(extra_args={...})`` and through
 the OpenAI server as ``vllm_xargs``, whose values are only str/int/float (JSON
 ``true`` arrives as ``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
 
@@ -22,6 +23,7 @@ twice per request:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 PRIORITY_OPTION = "kv_priority"
 PIN_OPTION = "kv_pin"
+RETAIN_OPTION = "kv_retain_s"
 
 # True == 1 and False == 0 hash alike, so these entries also accept 0 and 1.
 _PIN_VALUES = {True: True, False: False, "true": True, "false": False}
@@ -51,10 +54,13 @@ class RequestOptionError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RequestOptions:
-    """A request's retention hints: evict lower ``priority`` first; never evict a pinned prompt."""
+    """A request's retention hints: evict lower ``priority`` first; never evict a pinned
+    prompt; keep the whole context ahead of ordinary entries ``retain_s`` seconds after
+    the request ends."""
 
     priority: int = 0
     pin: bool = False
+    retain_s: float = 0.0
 
 
 DEFAULT_OPTIONS = RequestOptions()
@@ -77,7 +83,12 @@ def parse_request_options(extra_args: Mapping[str, Any] | None) -> RequestOption
     if flag is None:
         raise RequestOptionError(PIN_OPTION, f"{PIN_OPTION} must be a boolean (true/false, "
                                              f"1/0), got {pin!r}")
-    return RequestOptions(priority=priority, pin=flag)
+    retain_s = extra_args.get(RETAIN_OPTION, 0.0)
+    if (isinstance(retain_s, bool) or not isinstance(retain_s, (int, float))
+            or not 0 <= retain_s < math.inf):
+        raise RequestOptionError(RETAIN_OPTION, f"{RETAIN_OPTION} must be a finite number of "
+                                                f"seconds >= 0, got {retain_s!r}")
+    return RequestOptions(priority=priority, pin=flag, retain_s=float(retain_s))
 
 
 class KVOptionsValidator(LogitsProcessor, LogitsProcessorV2):
@@ -116,4 +127,4 @@ class KVOptionsValidator(LogitsProcessor, LogitsProcessorV2):
 
 
 __all__ = ["DEFAULT_OPTIONS", "KVOptionsValidator", "PIN_OPTION", "PRIORITY_OPTION",
-           "RequestOptionError", "RequestOptions", "parse_request_options"]
+           "RETAIN_OPTION", "RequestOptionError", "RequestOptions", "parse_request_options"]

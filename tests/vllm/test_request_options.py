@@ -1,4 +1,4 @@
-"""Per-request options (``kv_priority``, ``kv_pin``): one parser, checked before the engine.
+"""Per-request options (``kv_priority``, ``kv_pin``, ``kv_retain_s``): one parser, checked before the engine.
 
 The HTTP side (400 from the OpenAI server) is in ``test_server.py``, which already
 starts a server; here the parser's rules and the offline ``LLM.generate`` path.
@@ -24,6 +24,9 @@ GOOD = [
     ({"kv_pin": 0}, RequestOptions(pin=False)),
     ({"kv_pin": "TRUE"}, RequestOptions(pin=True)),
     ({"kv_pin": "false"}, RequestOptions(pin=False)),
+    ({"kv_retain_s": 30}, RequestOptions(retain_s=30.0)),
+    ({"kv_retain_s": 2.5, "kv_priority": 1}, RequestOptions(priority=1, retain_s=2.5)),
+    ({"kv_retain_s": 0}, RequestOptions()),
 ]
 BAD = [
     ({"kv_priority": "high"}, "kv_priority"),
@@ -34,6 +37,11 @@ BAD = [
     ({"kv_pin": 2}, "kv_pin"),
     ({"kv_pin": 1.0}, "kv_pin"),
     ({"kv_pin": [True]}, "kv_pin"),
+    ({"kv_retain_s": -1}, "kv_retain_s"),
+    ({"kv_retain_s": "30"}, "kv_retain_s"),
+    ({"kv_retain_s": float("inf")}, "kv_retain_s"),
+    ({"kv_retain_s": float("nan")}, "kv_retain_s"),
+    ({"kv_retain_s": True}, "kv_retain_s"),
 ]
 
 
@@ -75,3 +83,12 @@ def test_kv_backend_flag_adds_the_validator_after_the_users_processors():
     assert args.logits_processors == ["my.module:MyProcessor", OPTIONS_VALIDATOR]
     assert EngineArgs.from_cli_args(parser.parse_args(argv)).logits_processors == [
         "my.module:MyProcessor"]
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "half", True, float("nan")])
+def test_max_retained_fraction_is_checked_like_max_pinned_fraction(value):
+    from kvbackend.vllm.config import KVBackendConfig
+
+    assert KVBackendConfig.from_dict({"max_retained_fraction": 0.25}).max_retained_fraction == 0.25
+    with pytest.raises(ValueError, match="max_retained_fraction must be a number in"):
+        KVBackendConfig.from_dict({"max_retained_fraction": value})
