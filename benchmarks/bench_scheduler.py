@@ -12,6 +12,7 @@ What is measured
                                                 num_new_computed_tokens=hit,
                                                 new_computed_blocks=blocks,
                                                 has_scheduled_reqs=...)
+                                 record_prefix_cache_stats(req, hit)
                                  req.num_computed_tokens = hit; then += prompt - hit
                              take_kv_cache_block_copies()
         128 decode steps     new_step_starts()
@@ -131,9 +132,10 @@ def make_prompts(length: int, num_requests: int, seed: int) -> list[list[int]]:
 
 
 def run_trace(kind: str, prompts: list[list[int]], concurrency: int, decode: int,
-              num_blocks: int, max_model_len: int, hasher) -> dict:
-    """One pass over the trace with a fresh manager; returns per-request phase sums and hits."""
-    make = make_vllm_manager if kind == "vllm" else make_kvbackend_manager
+              num_blocks: int, max_model_len: int, hasher, make=None) -> dict:
+    """One pass over the trace with a fresh manager (``make(num_blocks, max_model_len)``,
+    by default ``kind``'s); returns per-request phase sums and hits."""
+    make = make or (make_vllm_manager if kind == "vllm" else make_kvbackend_manager)
     manager = make(num_blocks, max_model_len)
     params = SamplingParams(max_tokens=decode + 1)
     # Requests are built untimed and without a hasher; vLLM's hashing is timed below.
@@ -169,6 +171,8 @@ def run_trace(kind: str, prompts: list[list[int]], concurrency: int, decode: int
                     num_lookahead_tokens=0, num_external_computed_tokens=0,
                     delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False,
                     reserved_blocks=0, has_scheduled_reqs=running)
+                if new_blocks is not None:
+                    manager.record_prefix_cache_stats(req, hit)
                 t2 = clock()
                 if new_blocks is None:
                     raise RuntimeError(f"{kind}: admission of {req.request_id} failed "
