@@ -169,3 +169,21 @@ def test_a_failing_file_is_logged_once_and_never_raises(harness, caplog):
             harness.log.write("r", lambda n: {})
             harness.log.published("r", None, np.arange(12, dtype=np.int64))
     assert len([r for r in caplog.records if "explain_misses" in r.getMessage()]) == 1
+
+
+def test_explain_summary_counts_causes_and_skips_malformed_lines(harness, capsys):
+    from kvbackend.cli import main
+
+    cached = list(range(100, 140))
+    harness.serve(cached)
+    harness.explain(cached[:9] + [1] + cached[10:])
+    harness.explain(cached[:9] + [2] + cached[10:] + [3])
+    with open(harness.path, "a") as f:
+        f.write("{not json\n\n")
+    assert main(["explain", str(harness.path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 requests, 81 prompt tokens" in out
+    assert "reused 18 (22.2%): device 18" in out
+    assert "diverged                 61 tokens (75.3%)  in 2 requests" in out
+    assert "token 9: 2 requests" in out and "skipped 1 malformed line(s), first line 3" in out
+    assert main(["explain", str(harness.path) + ".missing"]) == 2
