@@ -45,7 +45,7 @@ from kvbackend.vllm.namespace import namespace_bytes
 
 logger = logging.getLogger(__name__)
 
-SEEN_CAPACITY = 1 << 16  # remembered prefix digests (~6 MiB): 1M tokens at block 16
+SEEN_CAPACITY = 1 << 16  # remembered prefix digests (~8 MiB): 1M tokens at block 16
 
 
 @dataclass(slots=True)
