@@ -4,9 +4,11 @@
 
 Reads what ``make bench`` leaves in DIR: each benchmark's printed output (``NAME.txt``),
 from which every markdown table is kept, ``bench_ttft.json`` (first-token time per
-prefix source) and ``bench_tiers.json`` (hit rate per round of the overflow scenario).
-Writes ``DIR/report.md`` and the charts ``ttft.png`` and ``overflow_hits.png`` next to
-it; a chart whose input is missing is left out. Runs nothing itself.
+prefix source), ``bench_tiers.json`` (hit rate per round of the overflow scenario) and
+``bench_agents.json`` (hit rate per turn and resumed turns' first-token time per
+configuration). Writes ``DIR/report.md`` and the charts ``ttft.png``,
+``overflow_hits.png`` and ``agents.png`` next to it; a chart whose input is missing is
+left out. Runs nothing itself.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import glob
 import json
 import os
 
-TTFT_CHART, OVERFLOW_CHART = "ttft.png", "overflow_hits.png"
+TTFT_CHART, OVERFLOW_CHART, AGENTS_CHART = "ttft.png", "overflow_hits.png", "agents.png"
 SOURCE_LABELS = {"cold": "cold prefill", "device": "device hit", "host": "host tier hit",
                  "disk": "disk tier hit (fresh process)"}
 
@@ -79,6 +81,38 @@ def overflow_chart(round_robin: dict, path: str) -> None:
     plt.close(fig)
 
 
+def agents_chart(agents: dict, path: str) -> None:
+    """Hit rate per turn (left) and resumed turns' first-token time (right), per configuration."""
+    import matplotlib.pyplot as plt
+
+    summaries, load = agents["summaries"], agents["workload"]
+    fig, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(summaries)
+    for i, (name, s) in enumerate(summaries.items()):
+        turns = range(1, len(s["hit_rate_per_turn"]) + 1)
+        hits.bar([t + (i - (len(summaries) - 1) / 2) * width for t in turns],
+                 [100 * h for h in s["hit_rate_per_turn"]], width, label=name)
+    hits.set_xticks(list(turns))
+    hits.set_xlabel("turn")
+    hits.set_ylabel("prompt tokens from cache (%)")
+    hits.set_ylim(0, 105)
+    hits.legend(fontsize=8)
+    names = list(summaries)
+    ttft.bar([i - 0.2 for i in range(len(names))],
+             [summaries[n]["ttft_median_s"] for n in names], 0.4, label="median")
+    ttft.bar([i + 0.2 for i in range(len(names))],
+             [summaries[n]["ttft_p90_s"] for n in names], 0.4, label="p90")
+    ttft.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+    ttft.set_ylabel("first-token time, turns 2+ (s)")
+    ttft.legend()
+    fig.suptitle(f"{load['agents']} agents x {load['turns']} turns, tool calls "
+                 f"{load['tool_steps'][0]}-{load['tool_steps'][1]} steps; device KV holds "
+                 f"{load['device_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(directory: str) -> str:
     """Write ``report.md`` (and the charts) into ``directory``; return its path."""
     parts = ["# kvbackend benchmark report", ""]
@@ -91,6 +125,10 @@ def write_report(directory: str) -> str:
         overflow_chart(tiers["round_robin"], os.path.join(directory, OVERFLOW_CHART))
         parts += [f"![hit rate per round, documents overflowing the device]({OVERFLOW_CHART})",
                   ""]
+    agents = load_json(os.path.join(directory, "bench_agents.json"))
+    if agents is not None:
+        agents_chart(agents, os.path.join(directory, AGENTS_CHART))
+        parts += [f"![agents resuming after tool calls]({AGENTS_CHART})", ""]
     for path in sorted(glob.glob(os.path.join(directory, "*.txt"))):
         with open(path, errors="replace") as f:
             tables = markdown_tables(f.read())
