@@ -4,7 +4,8 @@ vLLM's CPU platform turns async scheduling off, so ``AsyncHarness`` builds the
 scheduler itself (``async_scheduling=True`` on a real ``VllmConfig``) and plays
 the engine core's batch queue: ``schedule()`` may run again before the previous
 step's output is fed back (at most ``MAX_IN_FLIGHT`` steps outstanding, as
-``max_concurrent_batches`` allows), and outputs come back in step order.
+``max_concurrent_batches`` allows), and outputs come back in step order. With
+async scheduling off the same harness runs one step at a time.
 
 ``ContentWorker`` stands in for the model runner. It executes every
 ``SchedulerOutput`` in the order the scheduler produced it, as the GPU stream
@@ -158,6 +159,7 @@ class AsyncHarness:
         self.worker = ContentWorker(block_size)
         self.requests: dict[str, Request] = {}
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         request = Request(request_id, list(prompt),
@@ -168,7 +170,7 @@ class AsyncHarness:
 
     def schedule(self) -> SchedulerOutput:
         """Schedule and run one step; its output waits in ``in_flight``."""
-        assert len(self.in_flight) < MAX_IN_FLIGHT
+        assert len(self.in_flight) < self.max_in_flight
         out = self.scheduler.schedule()
         starts = self.worker.execute(out)
         ids = list(out.num_scheduled_tokens)

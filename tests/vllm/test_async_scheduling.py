@@ -6,7 +6,8 @@ machine below interleaves arrivals with shared prefixes, chunked prefills (a
 two-deep batch queue, on vLLM's real ``AsyncScheduler`` machinery with kvbackend's
 manager; ``ContentWorker`` (see ``async_harness.py``) executes each step in order
 and fails on any read of a slot that does not hold the reader's own prefix.
-After every step the manager's prefix cache passes ``check_invariants()``.
+After every step the manager's prefix cache passes ``check_invariants()``. A third of the
+runs schedule synchronously (async scheduling off): the same checks for that scheduler.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import copy
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine, initialize, invariant, precondition, rule,
+)
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from kvbackend.vllm import tier_transfer_config
 from kvbackend.vllm.config import KVBackendConfig
-from kvbackend.vllm.scheduler import unsupported_features
-from tests.vllm.async_harness import MAX_IN_FLIGHT, VOCAB, AsyncHarness, async_config
+from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
+from tests.vllm.async_harness import VOCAB, AsyncHarness, async_config
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 10
@@ -38,6 +41,7 @@ def config(tiny_model):
 def test_async_scheduling_builds_kvbackends_async_scheduler(config):
     harness = AsyncHarness(config, num_blocks=NUM_BLOCKS)
     assert isinstance(harness.scheduler, AsyncScheduler)
+    assert isinstance(harness.scheduler, KVBackendScheduler)
 
 
 def test_async_scheduling_with_tiers_is_refused(config):
@@ -70,11 +74,20 @@ def test_a_shared_prefix_is_reused_under_async_scheduling(config):
 
 
 def test_kvbackend_async_scheduling_stateful(config):
+    """One machine for both schedulers: a third of the runs schedule synchronously."""
+    sync_config = copy.deepcopy(config)
+    sync_config.scheduler_config.async_scheduling = False
+
     class AsyncSchedulingMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.harness = AsyncHarness(config, num_blocks=NUM_BLOCKS)
+            self.harness = None
             self.next_id = 0
+
+        @initialize(mode=st.sampled_from(["async", "async", "sync"]))
+        def start(self, mode):
+            self.harness = AsyncHarness(config if mode == "async" else sync_config,
+                                        num_blocks=NUM_BLOCKS)
 
         @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 10),
               suffix=st.lists(st.integers(0, VOCAB - 1), max_size=9),
@@ -85,7 +98,7 @@ def test_kvbackend_async_scheduling_stateful(config):
                 self.harness.add(f"r{self.next_id}", prompt, max_tokens)
                 self.next_id += 1
 
-        @precondition(lambda self: len(self.harness.in_flight) < MAX_IN_FLIGHT)
+        @precondition(lambda self: len(self.harness.in_flight) < self.harness.max_in_flight)
         @rule()
         def schedule(self):
             self.harness.schedule()
