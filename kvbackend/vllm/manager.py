@@ -133,6 +133,7 @@ class _TrackedRequest:
     num_published: int = 0  # tokens handed to the tree so far
     priority: int = 0
     pin: bool = False
+    retain_s: float = 0.0  # after the request finishes, keep its context ahead this long
     cacheable: bool = True  # False for multimodal / embedding prompts: token ids don't name them
 
 
@@ -154,7 +155,8 @@ class KVBackendManager(KVCacheManager):
         self.block_size = kwargs["scheduler_block_size"]
         num_blocks = self.kv_cache_config.num_blocks
         self.cache = PrefixCache(num_blocks, self.block_size,
-                                 max_pinned_fraction=backend_config.max_pinned_fraction)
+                                 max_pinned_fraction=backend_config.max_pinned_fraction,
+                                 max_retained_fraction=backend_config.max_retained_fraction)
         self._block_objects = [KVCacheBlock(i) for i in range(num_blocks)]
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step: set[int] = set()
@@ -260,14 +262,16 @@ class KVBackendManager(KVCacheManager):
             self._publish(request, tracked, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
-        """Publish every computed token (partial tail included), then release."""
+        """Publish every computed token (partial tail included), then release; a
+        finished request with ``kv_retain_s`` leaves its context retained."""
         if self.miss_log is not None:
             self.miss_log.forget(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None or tracked.sequence is None:
             return
         self._publish(request, tracked, request.num_computed_tokens, force=True)
-        self.cache.release(tracked.sequence)
+        retain_s = tracked.retain_s if tracked.cacheable and request.is_finished() else 0
+        self.cache.release(tracked.sequence, retain_s=retain_s)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         raise NotImplementedError("deferred block frees serve KV connectors that load outside "
@@ -359,6 +363,7 @@ class KVBackendManager(KVCacheManager):
             tracked = _TrackedRequest(namespace=request_namespace(request))
             options = _retention(request)
             tracked.priority, tracked.pin = options.priority, options.pin
+            tracked.retain_s = options.retain_s
             tracked.cacheable = not request.mm_features and request.prompt_embeds is None
             self._requests[request.request_id] = tracked
         return tracked
@@ -420,8 +425,9 @@ class KVBackendManager(KVCacheManager):
 
 
 def _retention(request: Request) -> RequestOptions:
-    """The request's ``kv_priority`` / ``kv_pin``; the defaults, with a warning, when bad
-    (the API process rejects bad values; this only sees requests that bypassed it)."""
+    """The request's ``kv_priority`` / ``kv_pin`` / ``kv_retain_s``; the defaults, with a
+    warning, when bad (the API process rejects bad values; this only sees requests that
+    bypassed it)."""
     params = request.sampling_params
     try:
         return parse_request_options(params.extra_args if params is not None else None)

@@ -57,3 +57,35 @@ def test_hits_flow_into_vllm_metrics_and_reset_clears_the_cache(small_llm):
     (cold,) = small_llm.generate([prompt], params, use_tqdm=False)
     assert cold.num_cached_tokens == 0
     assert cold.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_retained_conversation_outlives_pressure_that_evicts_an_unretained_one(
+        small_llm, reference_llm):
+    """Two conversations end together, one with ``kv_retain_s``; five unrelated prompts
+    then need more blocks than are free. The next turn of the retained one is a full
+    hit; the same turn of the other one (no hint) finds its context evicted."""
+    rng = random.Random(14)
+    retained = [3] + [rng.randrange(4, 512) for _ in range(299)]
+    plain = [4] + [rng.randrange(4, 512) for _ in range(299)]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    hint = SamplingParams(temperature=0, max_tokens=8, extra_args={"kv_retain_s": 600})
+
+    def turn(prompts, params):
+        outs = small_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                  use_tqdm=False)
+        want = reference_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                      use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        return outs
+
+    (first_retained,) = turn([retained], hint)
+    (first_plain,) = turn([plain], greedy)
+    for _ in range(5):  # 13 blocks each, 44 in all: ordinary entries make room first
+        turn([[rng.randrange(4, 512) for _ in range(400)]], greedy)
+    contexts = [retained + list(first_retained.outputs[0].token_ids),
+                plain + list(first_plain.outputs[0].token_ids)]
+    follow_ups = [context + [rng.randrange(4, 512) for _ in range(16)] for context in contexts]
+    again_retained, again_plain = turn(follow_ups, greedy)
+    assert again_retained.num_cached_tokens == len(contexts[0]) - 1  # all but the last token
+    assert again_plain.num_cached_tokens < BLOCK_SIZE
+    assert small_llm.reset_prefix_cache()  # drops the retention for the module's other tests

@@ -288,7 +288,8 @@ def _post_completion(server: Server, body: dict) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("xargs,option", [({"kv_priority": "high"}, "kv_priority"),
                                           ({"kv_pin": "maybe"}, "kv_pin"),
-                                          ({"kv_pin": 2, "kv_priority": 1}, "kv_pin")])
+                                          ({"kv_pin": 2, "kv_priority": 1}, "kv_pin"),
+                                          ({"kv_retain_s": -5}, "kv_retain_s")])
 def test_bad_request_options_get_http_400(server, xargs, option):
     body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 2, "vllm_xargs": xargs}
     status, response = _post_completion(server, body)
