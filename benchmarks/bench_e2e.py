@@ -14,6 +14,8 @@ What is measured
                     block size 128, so it reuses the block-aligned part of the prompt)
         kvbackend   **kvbackend.vllm.engine_kwargs() (token-exact; block size 128)
 
+    None sets async scheduling: each runs with vLLM's own choice (on a GPU build: on, for
+    kvbackend too; the CPU build turns it off), reported per engine.
     All run with enforce_eager=True and a KV cache sized so the whole batch fits
     without prefix sharing (``kv_cache_memory_bytes``). Before the timed batch each
     engine serves one unrelated short prompt (warm-up; it shares no token with the
@@ -94,6 +96,7 @@ def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int) ->
     t0 = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     startup = time.perf_counter() - t0
+    async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
         llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
@@ -108,6 +111,7 @@ def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int) ->
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     reuse = [c / args.system_tokens for c in cached[1:]]
     return {"startup_s": startup, "batch_s": batch, "num_cached_tokens": cached,
+            "async_scheduling": async_scheduling,
             "mean_cached": statistics.fmean(cached),
             "reuse": statistics.fmean(reuse) if reuse else 0.0,
             "outputs": tokens}
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         results[mode] = run_engine(mode, model_dir, prompts, warm, args, kv_bytes)
         r = results[mode]
         print(f"  {mode}: start-up {r['startup_s']:.1f} s, batch {r['batch_s']:.2f} s "
-              f"(engine total {time.perf_counter() - t0:.1f} s)", flush=True)
+              f"(engine total {time.perf_counter() - t0:.1f} s, async scheduling "
+              f"{'on' if r['async_scheduling'] else 'off'})", flush=True)
 
     # ---- outputs must agree token for token
     mismatches = []

@@ -44,7 +44,8 @@ attention that reads it. Hence:
   ``request.num_tokens`` (token ids known; a placeholder is never published),
   so a request admitted in step N+1 may hit blocks step N writes: they are
   written before step N+1 runs. ``cache_blocks``, which vLLM's async scheduler
-  calls after each output with the tokens computed so far, finds nothing new.
+  calls after each output with the tokens computed so far, publishes a block
+  whose last token id arrived with that output (its KV was scheduled before).
 - *copy-on-write*: a partial hit is copied before its own step's forward pass,
   so only blocks written in *that* step are refused as sources (above); a
   source written by the in-flight step N is complete before step N+1's copies
