@@ -4,12 +4,17 @@ stateful test in test_tier_planner_stateful.py covers that order), and its host 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kvbackend.ops import BlockMover
+from kvbackend.store import CacheIdentity, DiskTier, HostTier
 from kvbackend.vllm.tiers.host_mirror import HostMirror
-from kvbackend.vllm.tiers.messages import ScheduledRequest
+from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
 from kvbackend.vllm.tiers.planner import TierPlanner
+from kvbackend.vllm.tiers.worker import TierWorker
 
 BS = 4
+ROW = 64  # bytes of one block over all layers
 DIGEST = "ab" * 32
 
 
@@ -34,6 +39,8 @@ def test_a_mirror_full_of_pinned_keys_refuses_inserts():
     mirror = HostMirror(2)
     for key in ("a", "b"):
         mirror.insert(key)
+    mirror.orders_sent()  # the workers hold them: they may be pinned as host hits
+    for key in ("a", "b"):
         mirror.pin(key)
     assert mirror.insert("c") == (False, ())
     mirror.unpin("a")
@@ -42,3 +49,47 @@ def test_a_mirror_full_of_pinned_keys_refuses_inserts():
     mirror.check_invariants()
     with pytest.raises(RuntimeError, match="not pinned"):
         mirror.unpin("a")
+
+
+def test_a_block_promoted_in_this_step_is_a_disk_hit_for_the_next_admission(tmp_path):
+    """Two admissions of one step share a block only the disk holds. The first one's load
+    promotes it into the host mirror, but no worker's host tier holds it before the loads
+    run: the second admission's hit is a disk hit too. It was advertised (and counted) as
+    a host hit, so when the first one's disk read failed, a "host" load failed with it
+    (issue 9; found by the stateful test)."""
+    identity = CacheIdentity(model_fingerprint="sim", kv_dtype="uint8", block_size=BS,
+                             kv_layout="sim", tp_rank=0, tp_size=1)
+    cache = torch.zeros(8, ROW, dtype=torch.uint8)
+    host = HostTier(1 * ROW)  # one block: the mirror's capacity
+    disk = DiskTier(str(tmp_path), 1 << 20, identity, durable=False, rescan_interval_s=None)
+    worker = TierWorker(BlockMover([cache], 0, ROW, BS, host, disk))
+    planner = TierPlanner(BS, identity.digest(), 1, disk.contains)
+
+    def run(orders, computed=()):
+        worker.start_step(orders)
+        for block_id in computed:
+            cache[block_id] = block_id + 1
+        worker.finish_step(orders)
+        planner.step_finished(worker.take_load_errors())
+
+    doc, other = list(range(3, 3 + BS + 1)), list(range(40, 40 + BS + 1))
+    for rid, tokens in (("w", doc), ("x", other)):  # doc's block saved, then evicted by other's
+        assert planner.lookup(rid, tokens, b"", 0) == 0
+        planner.allocated(rid, [0, 1], 0)
+        run(planner.plan_step([ScheduledRequest(rid, 0, BS + 1, [0, 1])]), computed=[0])
+        planner.request_finished(rid)
+    assert planner.host.keys() == host.keys_lru() and len(disk) == 2
+
+    assert planner.lookup("a", list(doc), b"", 0) == BS
+    planner.allocated("a", [2, 3], BS)  # promotes doc's block into the mirror
+    assert planner.lookup("b", list(doc), b"", 0) == BS
+    planner.allocated("b", [4, 5], BS)
+    planner.check_invariants()
+    assert planner.hit_sources("b", BS) == {Source.DISK: BS}, "not a host hit: no host holds it"
+    orders = planner.plan_step([ScheduledRequest(r, BS, 1, ids)
+                                for r, ids in (("a", [2, 3]), ("b", [4, 5]))])
+    assert [o.promote for o in orders.loads] == [True, False]
+    run(orders)
+    assert torch.equal(cache[2], cache[0]) and torch.equal(cache[4], cache[0])
+    assert planner.host.keys() == host.keys_lru()
+    planner.check_invariants()

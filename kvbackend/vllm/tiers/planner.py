@@ -10,14 +10,15 @@ over its whole prefix, the request's namespace and ``key_digest`` (the cache
 identity). Calls, in vLLM's order within a step:
 
   ``lookup``            at admission: from the end of the device hit, the longest run
-                        of keys in the host mirror (``HostMirror``: the workers' host
-                        tiers, LRU) or on disk on every rank (a stat each: other
-                        processes' blocks count), continued by the keys the remote
-                        tier holds for every rank (one round trip per rank, at most
-                        ``remote_step_blocks`` per step, less what this step's earlier
-                        admissions adopted: remote loads are synchronous, and this
-                        bounds the time they add to a step); capped at
-                        ``num_tokens - 1``. The host keys it lists are pinned until
+                        of keys the workers' host tiers hold (``HostMirror``, LRU; a
+                        key an earlier admission of this step promotes is not there
+                        before the loads run, so it is not a host hit) or on disk on
+                        every rank (a stat each: other processes' blocks count),
+                        continued by the keys the remote tier holds for every rank
+                        (one round trip per rank, at most ``remote_step_blocks`` per
+                        step, less what this step's earlier admissions adopted: remote
+                        loads are synchronous, and this bounds the time they add to a
+                        step); capped at ``num_tokens - 1``. The host keys it lists are pinned until
                         the loads have run.
   ``allocated``         a load order per block vLLM adopted; a disk or remote block is
                         promoted into the mirror when an unpinned slot can be made.
@@ -101,8 +102,9 @@ class TierPlanner:
     Invariants (``check_invariants``):
       * the mirror's own (``HostMirror.check_invariants``);
       * a key is pinned exactly as often as pending lookups and this step's loads
-        list it as a host block, and every such key is in the mirror (no key leaves
-        the mirror while a request still lists it);
+        list it as a host block, and the workers hold every such key (no key leaves
+        the mirror while a request still lists it, and none is a host hit before
+        the loads that bring it in have run);
       * a request never considered more blocks for saving than it has keys;
       * once the disk is off (``reset``), no disk or remote lookup happens;
       * this step's remote loads stay within ``remote_step_blocks``.
@@ -149,7 +151,7 @@ class TierPlanner:
             return 0
         sources: list[Source] = []
         for key in self._keys(st, limit)[start:]:
-            if key in self.host:
+            if self.host.holds(key):
                 sources.append(Source.HOST)
             elif self.disk_contains is not None and self.disk_contains(key):
                 sources.append(Source.DISK)
@@ -253,6 +255,7 @@ class TierPlanner:
         self._loads, self._failed, self._drops = [], [], []
         self._clear_host = self._disk_off = False
         self._step_remote = 0
+        self.host.orders_sent()
         return orders
 
     def step_finished(self, failed_block_ids: Collection[int]) -> None:
@@ -366,8 +369,8 @@ class TierPlanner:
         pinned = {key: self.host.pin_count(key) for key in listed}
         assert pinned == dict(listed), f"pin counts {pinned} != listings {dict(listed)}"
         assert self.host.num_pinned() == len(listed), "a key is pinned that nothing lists"
-        lost = [key for key in listed if key not in self.host]
-        assert not lost, f"keys {lost[:3]} left the mirror while a request lists them"
+        lost = [key for key in listed if not self.host.holds(key)]
+        assert not lost, f"host hits {lost[:3]} are not in every worker's host tier"
         assert not (self.epoch and self.disk_contains is not None), "disk in use after reset"
         assert not (self.epoch and self.remote_contains is not None), (
             "remote tier in use after reset")
