@@ -34,6 +34,13 @@ is kept at its priority + 1 and its output at its priority, and among equals the
 least recently used leaf goes first, whole (SGLang frees whole leaves too: fewer,
 larger evictions).
 
+Retention: a request whose ``sampling_params.custom_params`` (the OpenAI server's
+``custom_params``) holds ``kv_retain_s`` -- seconds, as vLLM's request option --
+leaves its context retained when it finishes (``RadixTree.retain``): evicted only
+after every ordinary leaf, for that long; at most ``MAX_RETAINED_FRACTION`` of the
+pages are retained. A bad value is ignored with a warning (never raised into the
+scheduler).
+
 Every call below is O(depth) plus array operations over the tokens or pages it
 reads or writes; none walks pages one by one in Python.
 """
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,6 +78,8 @@ logger = logging.getLogger("kvbackend.sglang")
 # SGLang eviction policies the tree's (priority, last use) order implements.
 SUPPORTED_EVICTION_POLICIES = ("lru", "priority")
 PRETTY_PRINT_NODES = 32
+RETAIN_OPTION = "kv_retain_s"  # in sampling_params.custom_params
+MAX_RETAINED_FRACTION = 0.5  # of the KV pages, as vLLM's max_retained_fraction default
 
 
 def cache_namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Hashable:
@@ -78,6 +88,19 @@ def cache_namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Hash
     if extra_key is None and cache_salt is None:
         return None
     return (extra_key, cache_salt)
+
+
+def retain_seconds(req) -> float:
+    """The request's ``kv_retain_s`` from ``custom_params`` (0 when absent); 0 with a
+    warning for a value that is not a finite number >= 0. O(1)."""
+    custom = getattr(req.sampling_params, "custom_params", None)
+    value = custom.get(RETAIN_OPTION, 0) if isinstance(custom, dict) else 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value < math.inf:
+        logger.warning("kvbackend: request %s: %s must be a finite number of seconds >= 0, "
+                       "got %r; not retained", req.rid, RETAIN_OPTION, value)
+        return 0.0
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +160,9 @@ class KVBackendRadixCache(BasePrefixCache):
     def reset(self) -> None:
         """Forget everything cached (SGLang clears the allocator itself on a flush)."""
         self.refs = PageRefs(self.token_to_kv_pool_allocator, self.page_size)
-        self.tree = RadixTree(self.page_size, self.refs)
+        num_pages = self.token_to_kv_pool_allocator.size // self.page_size
+        self.tree = RadixTree(self.page_size, self.refs,
+                              max_retained_blocks=int(MAX_RETAINED_FRACTION * num_pages))
         self._forest = _Forest(self.tree.roots)
         self.root_node = _EMPTY
 
@@ -214,6 +239,7 @@ class KVBackendRadixCache(BasePrefixCache):
         protected = kv.cache_protected_len
         key_len = up_to // ps * ps
         if key_len <= protected:
+            self._retain_if_finished(req)
             return
         tokens = np.asarray(req.full_untruncated_fill_ids)[:key_len]
         namespace = cache_namespace(req.extra_key, req.cache_salt)
@@ -244,6 +270,17 @@ class KVBackendRadixCache(BasePrefixCache):
         self.unlock(req.lock)
         req.lock = new_lock
         req.last_node = handle
+        self._retain_if_finished(req)
+
+    def _retain_if_finished(self, req) -> None:
+        """At the finishing checkpoint, retain the request's cached context for its
+        ``kv_retain_s``. O(depth + log n); see ``RadixTree.retain``."""
+        node = req.last_node.node if isinstance(req.last_node, TreeHandle) else None
+        if node is None or not req.finished():
+            return
+        seconds = retain_seconds(req)
+        if seconds:
+            self.tree.retain(self.tree.split_at(node, req.last_node.num_tokens), seconds)
 
     def _keep_prompt_above_output(self, req, tokens: np.ndarray, pages: np.ndarray,
                                   namespace: Hashable, priority: int) -> None:

@@ -68,12 +68,13 @@ class Driver:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------- lifecycle
-    def admit(self, tokens, salt=None, priority=None) -> Req | None:
+    def admit(self, tokens, salt=None, priority=None, custom_params=None) -> Req | None:
         """Match, lock, allocate the row and the extend slots, "run" the prefill.
         None (and nothing held) when the pool cannot fit it, as the scheduler would skip it."""
         if not self.rows.free_slots:
             return None
-        req = Req(f"r{next(self._ids)}", "", array("q", tokens), SamplingParams(max_new_tokens=64),
+        params = SamplingParams(max_new_tokens=64, custom_params=custom_params)
+        req = Req(f"r{next(self._ids)}", "", array("q", tokens), params,
                   cache_salt=salt, priority=priority)
         req.init_next_round_input(self.cache)  # match_kv_cache, capped at len - 1
         req.lock = self.cache.lock(req.last_node)

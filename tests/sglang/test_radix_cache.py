@@ -331,3 +331,18 @@ def test_lmcache_and_flexkv_are_refused_at_start(flag):
                                                        **{flag: True}):
         with pytest.raises(ValueError, match=flag.replace("_", "-")):
             create_tree_cache(ctx)
+
+
+@page_sizes
+def test_kv_retain_s_keeps_a_finished_context_past_newer_ordinary_ones(page_size, caplog):
+    """``custom_params={"kv_retain_s": ...}`` (the OpenAI server's ``custom_params``):
+    the least recently used context survives an eviction that takes the newer, ordinary
+    one; a bad value is ignored with a warning."""
+    d = Driver(KVBackendRadixCache, page_size=page_size)
+    d.finish(d.admit([5] * 8, custom_params={"kv_retain_s": 600}))
+    d.finish(d.admit([6] * 8, custom_params={"kv_retain_s": -1}))
+    assert "kv_retain_s must be a finite number" in caplog.text
+    d.cache.evict(EvictParams(num_tokens=8))
+    assert d.admit([5] * 9).prefix_len == 8
+    assert d.admit([6] * 9).prefix_len == 0
+    _check(d)
