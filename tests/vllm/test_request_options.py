@@ -1,4 +1,5 @@
-"""Per-request options (``kv_priority``, ``kv_pin``, ``kv_retain_s``): one parser, checked before the engine.
+"""Per-request options (``kv_priority``, ``kv_pin``, ``kv_retain_s``): one parser, checked
+before the engine.
 
 The HTTP side (400 from the OpenAI server) is in ``test_server.py``, which already
 starts a server; here the parser's rules and the offline ``LLM.generate`` path.
