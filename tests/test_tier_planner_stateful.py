@@ -20,7 +20,9 @@ what each worker holds (after the drops it has yet to send); every byte in any
 host or disk tier is the right KV for its key (so nothing computed on top of a
 failed load, nor anything from before a reset, is ever kept); every block vLLM
 counts as computed holds the right KV on every rank; every advertised hit is
-loadable when advertised; only disk loads of tampered files ever fail.
+loadable when advertised, and its host hits are exactly the blocks every worker's
+host tier holds then (a block another admission of the step promotes is not one
+yet); only loads of damaged disk files ever fail.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvbackend.ops import BlockMover
 from kvbackend.store import CacheIdentity, DiskTier, HostTier, compute_block_keys
-from kvbackend.vllm.tiers.messages import ScheduledRequest
+from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
 from kvbackend.vllm.tiers.planner import TierPlanner
 from kvbackend.vllm.tiers.worker import TierWorker
 
@@ -116,7 +118,6 @@ class TierPlannerMachine(RuleBasedStateMachine):
         self.count = 0
         self.tampered: set[tuple[int, str]] = set()  # (rank, key) of files we damaged
         self.old_keys: set[str] = set()  # keys of the weights before the last reset
-        self.host_sourced: set[int] = set()  # blocks loaded from host in the current step
         self.steps_since_reset = 0
 
     def teardown(self) -> None:
@@ -141,11 +142,11 @@ class TierPlannerMachine(RuleBasedStateMachine):
         hit = self.planner.lookup(request.request_id, request.tokens, b"", device_hit)
         start, keys = device_hit // BS, self.keys(request.tokens, (n - 1) // BS)
         clear, drops = self.planner.pending_host_changes()
-        for key in keys[start: start + hit // BS]:  # every advertised hit is loadable
-            in_host = key in self.planner.host and not clear and key not in drops and all(
-                r.host.contains(key) for r in self.ranks)
+        in_host = [not clear and key not in drops and all(r.host.contains(key) for r in self.ranks)
+                   for key in keys[start: start + hit // BS]]  # before the loads run
+        for key, held in zip(keys[start:], in_host):  # every advertised hit is loadable
             on_disk = all(key in r.file_keys() for r in self.ranks)
-            assert in_host or on_disk, f"advertised block {key[:12]} is in no tier"
+            assert held or on_disk, f"advertised block {key[:12]} is in no tier"
         adopted = data.draw(st.integers(0, hit // BS), label="blocks adopted") * BS
         need = -(-request.target // BS)
         if len(self.free) < need:
@@ -155,9 +156,11 @@ class TierPlannerMachine(RuleBasedStateMachine):
             for r in self.ranks:
                 r.write(request.block_ids[i], expected(keys[i], r.rank))
         request.partial_ok = True  # a partial device block is copied, right too
-        self.host_sourced.update(request.block_ids[i] for i in range(start, start + adopted // BS)
-                                 if keys[i] in self.planner.host)
         self.planner.allocated(request.request_id, request.block_ids, adopted)
+        self.planner.check_invariants()  # mid-step too: host hits are held by every worker
+        host_hits = self.planner.hit_sources(request.request_id, adopted).get(Source.HOST, 0)
+        assert host_hits == BS * sum(in_host[: adopted // BS]), (
+            "the host hits are not the adopted blocks every worker's host tier holds")
         request.running, request.num_computed = True, device_hit + adopted
         return True
 
@@ -194,7 +197,6 @@ class TierPlannerMachine(RuleBasedStateMachine):
         running = sorted(r for r, q in self.requests.items() if q.running)
         if running and data.draw(st.booleans(), label="preempt"):
             self.release(self.requests[data.draw(st.sampled_from(running), label="victim")])
-        self.host_sourced = set()
         self.steps_since_reset += 1
         waiting = sorted(r for r, q in self.requests.items() if not q.running)
         for rid in data.draw(st.lists(st.sampled_from(waiting), unique=True, max_size=2)
@@ -225,12 +227,9 @@ class TierPlannerMachine(RuleBasedStateMachine):
             r.worker.finish_step(orders)
         failed = set().union(*(r.worker.take_load_errors() for r in self.ranks))
         loaded = {o.block_id: o.key for o in orders.loads}
-        # Only a damaged disk file should explain a failed load. KNOWN BUG (open, issue 9):
-        # rare sequences make a host-sourced load fail (the block is recomputed: a lost hit,
-        # never wrong KV, which the checks below still assert). Until it is fixed, such a
-        # load is tolerated here instead of failing CI.
-        for block_id in failed - self.host_sourced:
-            assert any((r.rank, loaded[block_id]) in self.tampered for r in self.ranks)
+        for block_id in failed:  # only a damaged disk file explains a failed load
+            assert any((r.rank, loaded[block_id]) in self.tampered for r in self.ranks), (
+                f"loading block {block_id} failed, and no rank's file of it was damaged")
         self.planner.step_finished(failed)
         for request, before, chunk in scheduled:  # vLLM: recompute from the first failure
             bad = [i for i in range(-(-before // BS)) if request.block_ids[i] in failed]
