@@ -82,3 +82,30 @@ def test_token_buffer_appends_only_new_tokens_and_refuses_shrinking():
     assert buf.sync(tokens).tolist() == tokens
     with pytest.raises(ValueError, match="shrank"):
         buf.sync(tokens[:5])
+
+
+@pytest.mark.parametrize("seconds", [-1, float("inf"), float("nan"), "30", True])
+def test_bad_retention_is_refused_and_the_sequence_stays_live(cache, seconds):
+    uncached = cache.open_sequence(cache.match([9]), 1)
+    with pytest.raises(ValueError, match="retention seconds must be a finite number"):
+        cache.release(uncached, retain_s=seconds)
+    assert not cache.release(uncached, retain_s=30)  # nothing cached: nothing to retain
+    seq = cache.open_sequence(cache.match([1, 2, 3, 4, 5]), 5)
+    cache.cache(seq, [1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="retention seconds must be a finite number"):
+        cache.release(seq, retain_s=seconds)
+    cache.check_invariants()
+    assert cache.release(seq, retain_s=30)  # still live: released now, retained
+    assert len(cache.tree.retentions) == 1
+    cache.check_invariants()
+
+
+def test_a_retention_larger_than_the_bound_is_not_made():
+    cache = PrefixCache(num_blocks=9, block_size=4, max_retained_fraction=0.25)  # 2 blocks
+    seq = cache.open_sequence(cache.match(list(range(12))), 12)
+    cache.cache(seq, list(range(12)))
+    assert not cache.release(seq, retain_s=30)
+    assert len(cache.tree.retentions) == 0
+    with pytest.raises(ValueError, match="max_retained_fraction"):
+        PrefixCache(num_blocks=9, block_size=4, max_retained_fraction=1.5)
+    cache.check_invariants()

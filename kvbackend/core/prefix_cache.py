@@ -206,8 +206,9 @@ class PrefixCache:
         """
         self._check_live(seq)
         retained = False
-        if retain_s and seq.num_locked_tokens:
-            node = self.tree.split_at(seq.node, seq.num_locked_tokens)
+        if retain_s:  # nothing cached (a root): validated, not retained
+            node = seq.node if not seq.num_locked_tokens else self.tree.split_at(
+                seq.node, seq.num_locked_tokens)
             retained = self.tree.retain(node, retain_s)
         seq.released = True
         del self._sequences[seq.seq_id]
