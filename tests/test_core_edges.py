@@ -239,3 +239,21 @@ def test_whole_leaf_eviction_drops_the_lru_leaf_entirely(cache):
     assert cache.match([1] * 4 + [2] * 8).num_tokens == 4
     assert cache.match([1] * 4 + [3] * 8).num_tokens == 12
     cache.check_invariants()
+
+
+def test_a_copy_between_two_nodes_listing_one_block_keeps_the_held_count_exact(cache):
+    """A sequence caches one token, its fork caches two into its own copy of block 0,
+    then the first caches three: its node hangs under the fork's, inside the same block,
+    and lists the block its grandparent lists. Held blocks count it once (the check
+    refused this chain, and num_held_blocks counted 3 for 2 blocks)."""
+    first = cache.open_sequence(cache.match([0, 0]), 2)
+    fork = cache.fork(first)
+    cache.take_block_copies()
+    cache.complete_block_copies()
+    cache.extend(first, 3)
+    cache.cache(first, [0])
+    cache.cache(fork, [0, 0])
+    cache.cache(first, [0, 0, 0])
+    assert cache.tree.num_held_blocks == 2
+    cache.check_invariants()
+    assert cache.match([0, 0, 0, 9]).block_ids == (first.block_ids[0],)

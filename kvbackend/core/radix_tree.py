@@ -46,9 +46,10 @@ Invariants (checked by ``check_invariants``):
     * retain_count(node) == the live retentions whose end node is the node or below
       it; so retain_count(parent) >= retain_count(child) below a root; every
       retention ends at a non-root node in the tree
-    * a block listed by two nodes is the last block of one and the first of its
-      child, which starts inside it (chains of such pairs); num_held_blocks is the
-      number of distinct blocks listed by locked nodes
+    * a block listed by two nodes is the last block of one and the first of a
+      descendant that starts inside it, every node between them lying inside that
+      block (a sequence's own copy can follow another's copy of the same block);
+      num_held_blocks is the number of distinct blocks listed by locked nodes
     * every pinned node is in the tree, locked at least once per ``pin`` call
       still held, and its path spells the pinned tokens
     * all nodes under a root carry that root's namespace
@@ -516,11 +517,24 @@ class RadixTree:
 
     def _held_share(self, node: RadixNode) -> int:
         """The blocks a locked ``node`` adds to the held ones: all it lists, less its first
-        when that is its parent's last (a locked node's parent is locked too). Splits
-        and in-place growth keep the sum of shares over locked nodes exact. O(1)."""
-        shares_first = (node.start % self.block_size != 0 and not node.parent.is_root
-                        and node.block_ids[0] == node.parent.block_ids[-1])
-        return len(node.block_ids) - shares_first
+        when an ancestor lists it too (a locked node's ancestors are locked too). Splits
+        and in-place growth keep the sum of shares over locked nodes exact.
+        O(nodes inside the node's first block)."""
+        return len(node.block_ids) - self._shares_first(node)
+
+    def _shares_first(self, node: RadixNode) -> bool:
+        """Whether an ancestor inside (or ending inside) ``node``'s first block lists it."""
+        block_start = node.start // self.block_size * self.block_size
+        if node.start == block_start:
+            return False
+        up = node.parent
+        while not up.is_root:
+            if up.block_ids[-1] == node.block_ids[0]:
+                return True
+            if up.start <= block_start:
+                return False
+            up = up.parent
+        return False
 
     def _expire(self, now: float | None = None) -> None:
         """End every retention whose time is up. O(expired * (depth + log n))."""
