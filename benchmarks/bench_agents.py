@@ -184,8 +184,10 @@ class AgentLoop:
 def run_config(name: str, model: str, args) -> dict:
     """One configuration in this process (a fresh one: see main)."""
     mode, host, retain = CONFIGS[name]
-    tiers = {"host_cache_gb": args.host_gb} if host else {}
-    llm = engine(model, mode, args.device_tokens, **tiers)
+    config = {"host_cache_gb": args.host_gb} if host else {}
+    if mode == "kvbackend" and args.max_retained_fraction is not None:
+        config["max_retained_fraction"] = args.max_retained_fraction
+    llm = engine(model, mode, args.device_tokens, **config)
     try:
         system, agents = workload(args)
         warm = words(random.Random(-1), 200)  # shares no prefix with the agents (seeded apart)
@@ -267,6 +269,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--chat-tokens", type=int, default=256, help="each chat request's (unique) prompt")
     add("--device-tokens", type=int, default=4096, help="device KV cache size in tokens")
     add("--host-gb", type=float, default=0.5, help="host tier size (kvbackend+host)")
+    add("--max-retained-fraction", type=float,
+        help="kvbackend's bound on retained blocks (default: kvbackend's own)")
     add("--retain-margin", type=float, default=2.0,
         help="kv_retain_s = tool steps x mean step time so far x this")
     add("--configs", default=",".join(CONFIGS), help="comma-separated, run in this order")
