@@ -27,6 +27,7 @@ yet); only loads of damaged disk files ever fail.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -59,6 +60,7 @@ IDENTITY = CacheIdentity(model_fingerprint="sim-weights", kv_dtype="uint8", bloc
 GARBAGE = np.zeros(ROW, dtype=np.uint8)
 
 
+@functools.cache
 def expected(key: str, rank: int) -> np.ndarray:
     """The KV of block ``key`` on ``rank``: bytes no other key or rank shares."""
     digest = hashlib.sha256(f"{key}/{rank}".encode()).digest()
@@ -144,8 +146,9 @@ class TierPlannerMachine(RuleBasedStateMachine):
         clear, drops = self.planner.pending_host_changes()
         in_host = [not clear and key not in drops and all(r.host.contains(key) for r in self.ranks)
                    for key in keys[start: start + hit // BS]]  # before the loads run
+        files = [r.file_keys() for r in self.ranks]
         for key, held in zip(keys[start:], in_host):  # every advertised hit is loadable
-            on_disk = all(key in r.file_keys() for r in self.ranks)
+            on_disk = all(key in keys_of_rank for keys_of_rank in files)
             assert held or on_disk, f"advertised block {key[:12]} is in no tier"
         adopted = data.draw(st.integers(0, hit // BS), label="blocks adopted") * BS
         need = -(-request.target // BS)
@@ -168,9 +171,9 @@ class TierPlannerMachine(RuleBasedStateMachine):
         """The forward pass over tokens [begin, end) of ``request``, on every rank."""
         keys = self.keys(request.tokens, -(-end // BS))
         ids = request.block_ids
+        prefix_ok = all(r.holds(ids[j], keys[j]) for j in range(begin // BS) for r in self.ranks)
         for i in range(begin // BS, -(-end // BS)):
-            prefix_ok = all(r.holds(ids[j], keys[j]) for j in range(i) for r in self.ranks)
-            ok = prefix_ok and (request.partial_ok if begin > i * BS else True)
+            ok = prefix_ok = prefix_ok and (request.partial_ok if begin > i * BS else True)
             if (i + 1) * BS <= end:
                 for r in self.ranks:
                     r.write(ids[i], expected(keys[i], r.rank) if ok else GARBAGE)
