@@ -2,9 +2,10 @@
 
 ``kv_priority`` (an int, default 0), ``kv_pin`` (a bool, default false) and
 ``kv_retain_s`` (seconds, a finite number >= 0, default 0: after the request ends,
-its whole context stays ahead of ordinary entries that long) steer eviction. They arrive offline as ``SamplingParams(extra_args={...})`` and through
-the OpenAI server as ``vllm_xargs``, whose values are only str/int/float (JSON
-``true`` arrives as ``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
+its whole context stays ahead of ordinary entries that long) steer eviction. They
+arrive offline as ``SamplingParams(extra_args={...})`` and through the OpenAI server
+as ``vllm_xargs``, whose values are only str/int/float (JSON ``true`` arrives as
+``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
 
 ``parse_request_options`` is the only place that knows these rules. It is run
 twice per request:

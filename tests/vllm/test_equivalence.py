@@ -124,7 +124,8 @@ def test_prompt_that_is_a_prefix_of_another_and_the_reverse(kvbackend_llm, refer
     assert grown.num_cached_tokens >= 100
 
 
-@pytest.mark.parametrize("shared", [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 17])
+@pytest.mark.parametrize("shared", [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1,
+                                    3 * BLOCK_SIZE + 17])
 def test_hits_at_and_around_block_boundaries(kvbackend_llm, reference_llm, model, shared):
     rng = random.Random(100 + shared)
     base = tokens(rng, shared)

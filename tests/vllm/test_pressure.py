@@ -48,7 +48,8 @@ def test_hits_flow_into_vllm_metrics_and_reset_clears_the_cache(small_llm):
     prompt = {"prompt_token_ids": [rng.randrange(3, 512) for _ in range(150)]}
     params = SamplingParams(temperature=0, max_tokens=2)
     small_llm.generate([prompt], params, use_tqdm=False)
-    queries, hits = counter(small_llm, "vllm:prefix_cache_queries"), counter(small_llm, "vllm:prefix_cache_hits")
+    queries = counter(small_llm, "vllm:prefix_cache_queries")
+    hits = counter(small_llm, "vllm:prefix_cache_hits")
     (out,) = small_llm.generate([prompt], params, use_tqdm=False)
     assert out.num_cached_tokens == 149
     assert counter(small_llm, "vllm:prefix_cache_hits") - hits == 149
