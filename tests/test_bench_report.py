@@ -19,12 +19,13 @@ def test_tables_are_the_runs_of_table_lines():
     assert report.markdown_tables(text) == ["| a | b |\n|---|---|\n| 1 | 2 |", "| c |\n|---|"]
 
 
-def test_report_has_every_table_and_both_charts(tmp_path):
-    for name in ("bench_ttft.json", "bench_tiers.json", "bench_ttft.txt", "bench_tiers.txt"):
+def test_report_has_every_table_and_chart(tmp_path):
+    for name in ("bench_ttft.json", "bench_tiers.json", "bench_agents.json", "bench_ttft.txt",
+                 "bench_tiers.txt"):
         shutil.copy(os.path.join(REPORT_DIR, name), tmp_path)
     (tmp_path / "bench_core.txt").write_text("progress\n| x |\n|---|\n| 1 |\n")
     text = open(report.write_report(str(tmp_path))).read()
-    for png in (report.TTFT_CHART, report.OVERFLOW_CHART):
+    for png in (report.TTFT_CHART, report.OVERFLOW_CHART, report.AGENTS_CHART):
         assert f"]({png})" in text
         assert (tmp_path / png).read_bytes().startswith(b"\x89PNG")
     assert "## bench_core" in text and "| x |\n|---|\n| 1 |" in text
