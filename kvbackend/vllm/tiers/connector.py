@@ -34,6 +34,12 @@ saves leave the step at once (``RemoteWriter``, at most ``REMOTE_QUEUE_BYTES``
 queued per worker). A cache directory other users could write to stops the
 engine at start (``UnsafeCacheDirectory``); after that, best effort throughout:
 nothing here raises into vLLM.
+
+vLLM imports this module while it builds its config, in the API process, which
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is also where its CPU worker later
+rebinds Triton kernels by walking ``sys.modules`` and fails on llvmlite's objects.
+So the modules that load numba (through ``kvbackend.core``) are imported where
+they are used: when vLLM builds a connector, after that rebinding.
 """
 
 from __future__ import annotations
@@ -48,18 +54,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvbackend.ops import BlockMover, block_layout
-from kvbackend.store import CacheIdentity, DiskTier, HostTier, RemoteTier
-from kvbackend.store.remote_writer import RemoteWriter
 from kvbackend.vllm.config import TIER_KEYS, KVBackendConfig
-from kvbackend.vllm.namespace import namespace_bytes, request_namespace
-from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, StepOrders
 from kvbackend.vllm.tiers.metrics import KVBackendPromMetrics, KVBackendStats
-from kvbackend.vllm.tiers.planner import TierPlanner
-from kvbackend.vllm.tiers.worker import TierWorker, cache_layers
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # these load numba: see the module docstring
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -67,6 +66,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvbackend.ops import BlockMover
+    from kvbackend.store import CacheIdentity, DiskTier, RemoteTier
+    from kvbackend.vllm.tiers.planner import TierPlanner
 
 logger = logging.getLogger("kvbackend.tiers")
 
@@ -89,6 +92,9 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        from kvbackend.vllm.tier_identity import block_nbytes
+        from kvbackend.vllm.tiers.worker import TierWorker
+
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("kvbackend's tier connector needs vLLM to pass kv_cache_config")
@@ -114,6 +120,9 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
     # ================================================================ scheduler
     def _make_planner(self) -> TierPlanner | None:
+        from kvbackend.vllm.tier_identity import tier_identity
+        from kvbackend.vllm.tiers.planner import TierPlanner
+
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         try:
             identity = tier_identity(self._vllm_config, self.kv_cache_config, tp_rank=0)
@@ -136,12 +145,16 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""
+        from kvbackend.store import RemoteTier
+
         return RemoteTier(self.settings.remote_cache_url, identity,
                           checksum_key=self.settings.remote_checksum_key(),
                           block_nbytes=self.block_nbytes)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        from kvbackend.vllm.namespace import namespace_bytes, request_namespace
+
         planner = self.planner
         if planner is None or request.mm_features or request.prompt_embeds is not None:
             return 0, False
@@ -265,6 +278,10 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
     # =================================================================== worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvbackend.store.remote_writer import RemoteWriter
+        from kvbackend.vllm.tier_identity import tier_identity
+        from kvbackend.vllm.tiers.worker import TierWorker
+
         try:
             remote = None
             if self.settings.remote_cache_url is not None:
@@ -277,6 +294,11 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                            "recomputed): %s", e)
 
     def _make_mover(self, kv_caches: dict[str, torch.Tensor]) -> BlockMover:
+        from kvbackend.ops import BlockMover, block_layout
+        from kvbackend.store import HostTier
+        from kvbackend.vllm.tier_identity import tier_identity
+        from kvbackend.vllm.tiers.worker import cache_layers
+
         config = self.kv_cache_config
         group = config.kv_cache_groups[0]
         layers, block_dim = cache_layers(kv_caches, group.layer_names, config.num_blocks)
@@ -300,6 +322,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
     def _disk_tier(self, identity: CacheIdentity, **options: Any) -> DiskTier:
         """The disk tier of one rank: ``disk_cache_gb`` split evenly across the ranks.
         Raises ``UnsafeCacheDirectory`` for a directory other users could write to."""
+        from kvbackend.store import DiskTier
+
         settings = self.settings
         bound = int(settings.disk_cache_gb * _GIB) // identity.tp_size
         return DiskTier(settings.disk_cache_dir, bound, identity, block_nbytes=self.block_nbytes,
