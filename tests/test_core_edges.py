@@ -257,3 +257,25 @@ def test_a_copy_between_two_nodes_listing_one_block_keeps_the_held_count_exact(c
     assert cache.tree.num_held_blocks == 2
     cache.check_invariants()
     assert cache.match([0, 0, 0, 9]).block_ids == (first.block_ids[0],)
+
+
+def test_retentions_sharing_a_prefix_count_it_once():
+    cache = PrefixCache(num_blocks=17, block_size=BS, max_retained_fraction=0.5)  # 8 blocks
+    system = list(range(100, 116))  # 4 blocks every agent shares
+
+    def retain_agent(agent):
+        tokens = system + [agent] * 8  # + 2 blocks of its own
+        seq = cache.open_sequence(cache.match(tokens), len(tokens))
+        cache.take_block_copies()
+        cache.complete_block_copies()
+        cache.cache(seq, tokens)
+        retained = cache.release(seq, retain_s=30)
+        cache.check_invariants()
+        return retained
+
+    assert retain_agent(1) and retain_agent(2)  # 4 + 2 + 2 distinct blocks: both fit
+    assert cache.tree.num_retained_blocks == 8
+    assert [r.node.path_tokens()[-1] for r in cache.tree.retentions] == [1, 2]
+    assert retain_agent(3)  # 10 > 8: the oldest retention ends
+    assert [r.node.path_tokens()[-1] for r in cache.tree.retentions] == [2, 3]
+    assert cache.tree.num_retained_blocks == 8

@@ -4,7 +4,9 @@ priorities, locks and a controllable clock.
 It runs every rule of the prefix-cache machine (fake KV, brute-force residency,
 held and pinned prefixes never evicted) on a cache with a bounded retained share,
 and adds a model of the live retentions: their order (oldest first), expiry,
-the share cap, ending the retentions on a new one's path, and trimming by eviction.
+the share cap on *distinct* retained blocks (recounted by brute force from the
+tree's nodes: a prefix several retentions share counts once), ending the
+retentions on a new one's path, and trimming by eviction.
 Before each single-block eviction it ranks the unlocked leaves by brute force --
 (retained by the model, priority, last use) -- and checks that the tree took
 blocks from the lowest-ranked leaves only: every ordinary leaf before any retained
@@ -30,7 +32,7 @@ class RetentionMachine(base.PrefixCacheMachine):
                                  max_retained_fraction=MAX_RETAINED_FRACTION,
                                  clock=lambda: self.now)
         self.max_retained = int(MAX_RETAINED_FRACTION * (base.NUM_BLOCKS - 1))
-        self.retained = []  # oldest first: [namespace, tokens, until, cost]
+        self.retained = []  # oldest first: [namespace, tokens, until]
 
     # ------------------------------------------------------------- model
     def live_retentions(self):
@@ -39,20 +41,35 @@ class RetentionMachine(base.PrefixCacheMachine):
     def is_retained(self, node):
         path = tuple(node.path_tokens().tolist())
         return any(ns == node.namespace and toks[: len(path)] == path
-                   for ns, toks, _, _ in self.live_retentions())
+                   for ns, toks, _ in self.live_retentions())
+
+    def retained_blocks(self, contexts):
+        """The distinct block ids the tree's nodes list for positions inside any of
+        ``contexts`` ((namespace, tokens) pairs), by brute force."""
+        blocks = set()
+        for node in self.cache.tree.iter_nodes(all_namespaces=True):
+            path = tuple(node.path_tokens().tolist())
+            for ns, toks in contexts:
+                covered = min(len(toks), node.end)
+                if ns == node.namespace and node.start < covered \
+                        and toks[:covered] == path[:covered]:
+                    blocks.update(node.block_ids[: (covered - 1) // BLOCK_SIZE
+                                                 - node.start // BLOCK_SIZE + 1].tolist())
+        return blocks
 
     def model_retain(self, ns, tokens, seconds):
         """What ``release(retain_s=seconds)`` must do to the retentions; whether it retains."""
-        cost = -(-len(tokens) // BLOCK_SIZE)
-        if not seconds or not tokens or cost > self.max_retained:
+        if not seconds or not tokens or \
+                len(self.retained_blocks([(ns, tokens)])) > self.max_retained:
             return False
         self.retained = self.live_retentions()
         until = self.now + seconds
         self.retained = [r for r in self.retained if not (
             r[0] == ns and tokens[: len(r[1])] == r[1] and r[2] <= until)]
-        while sum(r[3] for r in self.retained) + cost > self.max_retained:
+        while len(self.retained_blocks([(r[0], r[1]) for r in self.retained]
+                                       + [(ns, tokens)])) > self.max_retained:
             self.retained.pop(0)
-        self.retained.append([ns, tokens, until, cost])
+        self.retained.append([ns, tokens, until])
         return True
 
     def reconcile(self, inserted=None, may_evict=True):
@@ -61,10 +78,12 @@ class RetentionMachine(base.PrefixCacheMachine):
             r[1] = r[1][: self.expected_hit(r[0], r[1])]
         self.retained = [r for r in self.live_retentions() if r[1]]
         tree_retentions = sorted(
-            (repr(r.node.namespace), tuple(r.node.path_tokens().tolist()), r.until, r.num_blocks)
+            (repr(r.node.namespace), tuple(r.node.path_tokens().tolist()), r.until)
             for r in self.cache.tree.retentions if r.until > self.now)
-        assert tree_retentions == sorted((repr(ns), toks, until, cost)
-                                         for ns, toks, until, cost in self.retained)
+        assert tree_retentions == sorted((repr(ns), toks, until)
+                                         for ns, toks, until in self.retained)
+        distinct = self.retained_blocks([(ns, toks) for ns, toks, _ in self.retained])
+        assert len(distinct) <= self.max_retained
 
     def eviction_candidates(self):
         """Unlocked leaves that would free a block, by brute-force rank."""

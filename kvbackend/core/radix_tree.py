@@ -28,10 +28,11 @@ among retained leaves the lower priority, then the least recently used, goes fir
 Locked and pinned nodes are never evictable, retained or not. An expired retention
 leaves its nodes exactly as if it had never been made (their priority and last use
 were never changed by it). Expiry is lazy: ``evict``, ``insert`` and ``retain`` first
-end every retention whose time is up. The retained blocks (each retention's context
-counted when it was made) never exceed ``max_retained_blocks``: a new retention
-first ends those on its own path that expire no later (an agent's earlier turns),
-then the oldest ones until it fits. Eviction trims a retention to what stays cached
+end every retention whose time is up. The distinct blocks listed by retained nodes
+(a prefix several retentions share counts once) never exceed ``max_retained_blocks``:
+a new retention first ends those on its own path that expire no later (an agent's
+earlier turns), then the oldest ones until it fits; one whose context alone exceeds
+the bound is not made. Eviction trims a retention to what stays cached
 (a removed end node hands it to its parent; one with nothing left ends).
 
 Invariants (checked by ``check_invariants``):
@@ -46,6 +47,8 @@ Invariants (checked by ``check_invariants``):
     * retain_count(node) == the live retentions whose end node is the node or below
       it; so retain_count(parent) >= retain_count(child) below a root; every
       retention ends at a non-root node in the tree
+    * num_retained_blocks is the number of distinct blocks listed by nodes with
+      retain_count > 0, and <= max_retained_blocks
     * a block listed by two nodes is the last block of one and the first of a
       descendant that starts inside it, every node between them lying inside that
       block (a sequence's own copy can follow another's copy of the same block);
@@ -105,7 +108,13 @@ class RadixTree:
         self._ids = itertools.count(1)
         self._uses = itertools.count(1)  # last_access stamps
         self._now = clock
-        self.retentions = RetentionBook(max_retained_blocks)
+        if max_retained_blocks is not None and (
+                not isinstance(max_retained_blocks, int) or max_retained_blocks < 0):
+            raise ValueError(f"max_retained_blocks must be None or an int >= 0, "
+                             f"got {max_retained_blocks!r}")
+        self.max_retained_blocks = max_retained_blocks
+        self.retentions = RetentionBook()
+        self._num_retained_blocks = 0
         self._pins: dict[tuple[Hashable, bytes], RadixNode] = {}  # (ns, token bytes) -> node
         self._pin_counts: Counter[tuple[Hashable, bytes]] = Counter()  # pin calls per key
         self._pinned_ends: Counter[int] = Counter()  # node_id -> pinned prefixes ending there
@@ -207,6 +216,11 @@ class RadixTree:
         """Distinct blocks listed by locked (or pinned) nodes. O(1), kept up to date."""
         return self._num_held_blocks
 
+    @property
+    def num_retained_blocks(self) -> int:
+        """Distinct blocks listed by retained nodes (a shared prefix counts once). O(1)."""
+        return self._num_retained_blocks
+
     def pins(self) -> list[tuple[RadixNode, int]]:
         """Every pinned node with the number of ``pin`` calls it holds. O(pinned prefixes)."""
         return [(node, self._pin_counts[key]) for key, node in self._pins.items()]
@@ -286,7 +300,7 @@ class RadixTree:
         while not node.is_root:
             if node.lock_ref == 0:
                 self._blocks.hold(node.block_ids)
-                self._num_held_blocks += self._held_share(node)
+                self._num_held_blocks += self._path_share(node)
             node.lock_ref += 1
             self._refresh(node)
             node = node.parent
@@ -299,7 +313,7 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._blocks.unhold(node.block_ids)
-                self._num_held_blocks -= self._held_share(node)
+                self._num_held_blocks -= self._path_share(node)
             self._refresh(node)
             node = node.parent
 
@@ -351,16 +365,16 @@ class RadixTree:
         """Keep the path to ``node`` (the context, ending exactly at ``node.end``) ahead
         of ordinary entries for ``seconds`` from now (module docstring).
 
-        Returns False, retaining nothing, for 0 seconds, a root, or a context larger
-        than ``max_retained_blocks``. Ends the retentions on the path that expire no
-        later, then the oldest ones while the new one does not fit.
+        Returns False, retaining nothing, for 0 seconds, a root, or a context whose
+        distinct blocks alone exceed ``max_retained_blocks``. Ends the retentions on the
+        path that expire no later, then the oldest ones while the distinct retained
+        blocks exceed the bound (a block already retained costs nothing more).
         Complexity: O(depth + log n) plus O(depth + log n) per retention ended.
         """
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
                 or not 0 <= seconds < math.inf:
             raise ValueError(f"retention seconds must be a finite number >= 0, got {seconds!r}")
-        cost = -(-node.end // self.block_size)
-        if not seconds or node.is_root or not self.retentions.fits(cost):
+        if not seconds or node.is_root or not self._fits_retained(node):
             return False
         now = self._now()
         self._expire(now)
@@ -371,10 +385,10 @@ class RadixTree:
                 if older.until <= until:
                     self._end_retention(older)
             walk = walk.parent
-        while self.retentions.over_budget(cost):
-            self._end_retention(self.retentions.oldest())
-        self.retentions.add(node, until, cost)
+        self.retentions.add(node, until)
         self._count_retention(node, +1)
+        while not self._fits_retained():  # never the new one: it fits alone
+            self._end_retention(self.retentions.oldest())
         return True
 
     def drop_retentions(self) -> None:
@@ -408,6 +422,8 @@ class RadixTree:
                 dropped += self._borrow_boundary_block(parent)
             else:
                 dropped = self._blocks.unref(leaf.block_ids[keep:], hold=False)
+                if leaf.retain_count:  # it keeps its first block: its share shrinks
+                    self._num_retained_blocks -= len(leaf.block_ids) - keep
                 leaf.tokens = leaf.tokens[: new_end - leaf.start].copy()
                 leaf.block_ids = leaf.block_ids[:keep].copy()
             stats.evicted_blocks += dropped
@@ -476,6 +492,7 @@ class RadixTree:
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
         parent = leaf.parent
+        self._num_retained_blocks -= self._retained_share(leaf)
         self._discard(leaf)
         for retention in self.retentions.move_end(leaf, parent):
             if parent.is_root:  # nothing of its context is left
@@ -503,8 +520,12 @@ class RadixTree:
         firsts = [child.block_ids[:1] for child in node.children.values()]
         if any(first[0] == own[0] for first in firsts):
             return 0
+        donor = next(iter(node.children.values()))
+        retained_before = self._retained_share(node) + self._retained_share(donor)
         self._blocks.ref(firsts[0], hold=False)
         node.block_ids[-1] = firsts[0][0]
+        self._num_retained_blocks += (self._retained_share(node) + self._retained_share(donor)
+                                      - retained_before)
         return self._blocks.unref(own, hold=False)
 
     def _frees_nothing(self, leaf: RadixNode) -> bool:
@@ -515,12 +536,29 @@ class RadixTree:
     def _is_pinned_end(self, node: RadixNode) -> bool:
         return node.node_id in self._pinned_ends
 
-    def _held_share(self, node: RadixNode) -> int:
-        """The blocks a locked ``node`` adds to the held ones: all it lists, less its first
-        when an ancestor lists it too (a locked node's ancestors are locked too). Splits
-        and in-place growth keep the sum of shares over locked nodes exact.
-        O(nodes inside the node's first block)."""
+    def _path_share(self, node: RadixNode) -> int:
+        """The blocks ``node`` adds to its ancestors' distinct ones: all it lists, less its
+        first when an ancestor lists it too. Summed over a set of nodes closed under
+        ancestors (the locked ones, the retained ones) it counts their distinct blocks;
+        splits and in-place growth keep that sum exact. O(nodes inside its first block)."""
         return len(node.block_ids) - self._shares_first(node)
+
+    def _retained_share(self, node: RadixNode) -> int:
+        """``node``'s part of ``num_retained_blocks``. O(nodes inside its first block)."""
+        return self._path_share(node) if node.retain_count else 0
+
+    def _fits_retained(self, node: RadixNode | None = None) -> bool:
+        """Whether the retained blocks are within the bound; with ``node``, whether the
+        context ending at ``node`` would be alone. O(depth) with ``node``, else O(1)."""
+        if self.max_retained_blocks is None:
+            return True
+        if node is None:
+            return self._num_retained_blocks <= self.max_retained_blocks
+        context_blocks = 0
+        while not node.is_root:
+            context_blocks += self._path_share(node)
+            node = node.parent
+        return context_blocks <= self.max_retained_blocks
 
     def _shares_first(self, node: RadixNode) -> bool:
         """Whether an ancestor inside (or ending inside) ``node``'s first block lists it."""
@@ -546,12 +584,17 @@ class RadixTree:
         self._count_retention(retention.node, -1)
 
     def _count_retention(self, node: RadixNode, delta: int) -> None:
-        """Add ``delta`` to the retain_count of ``node``'s path; re-key the leaf whose
-        retained flag flips (only a path's deepest node can be a leaf). O(depth + log n)."""
+        """Add ``delta`` to the retain_count of ``node``'s path; count the blocks of the
+        nodes whose retained flag flips and re-key the leaf among them (only a path's
+        deepest node can be a leaf). O(depth + log n)."""
         while not node.is_root:
+            was_retained = node.retain_count > 0
             node.retain_count += delta
-            if node.evict_key is not None and node.evict_key[0] != (node.retain_count > 0):
-                self._refresh(node)
+            if was_retained != (node.retain_count > 0):
+                share = self._path_share(node)
+                self._num_retained_blocks += -share if was_retained else share
+                if node.evict_key is not None:
+                    self._refresh(node)
             node = node.parent
 
     def _touch_path(self, node: RadixNode) -> None:
@@ -632,7 +675,7 @@ class RadixTree:
             listed.update(node.block_ids.tolist())
             if node.lock_ref:
                 held.update(node.block_ids.tolist())
-            if self._held_share(node) < len(node.block_ids):
+            if self._path_share(node) < len(node.block_ids):
                 chained[int(node.block_ids[0])] += 1
         shared_otherwise = [b for b, n in listed.items() if n != 1 + chained[b]]
         if shared_otherwise:
@@ -662,10 +705,17 @@ class RadixTree:
             while not node.is_root:
                 expected[node.node_id] += 1
                 node = node.parent
+        retained_blocks: set[int] = set()
         for node in self.iter_nodes(all_namespaces=True):
             if node.retain_count != expected[node.node_id]:
                 raise RuntimeError(f"{node!r}: retain_count {node.retain_count} != "
                                    f"{expected[node.node_id]} retentions through it")
+            if node.retain_count:
+                retained_blocks.update(node.block_ids.tolist())
+        if len(retained_blocks) != self._num_retained_blocks or not self._fits_retained():
+            raise RuntimeError(f"num_retained_blocks {self._num_retained_blocks} (recount "
+                               f"{len(retained_blocks)}) miscounts or exceeds the bound "
+                               f"{self.max_retained_blocks}")
 
 
 def _evict_key(node: RadixNode) -> tuple[int, int, int, int]:

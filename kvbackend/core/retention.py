@@ -3,14 +3,10 @@
 A retention names the deepest node of a finished request's context (prompt and
 output); until its expiry time that node and every ancestor are evicted only after
 every ordinary unlocked leaf (``RadixTree.retain``). This module keeps the book:
-the tree owns the nodes and their ``retain_count``.
-
-Each retention costs the blocks of its whole context, counted once when it is made
-(a prefix shared by several retentions counts once for each, so the bound on the
-sum is conservative: the distinct retained blocks never exceed it).
+the tree owns the nodes, their ``retain_count`` and the bound on the distinct
+blocks they list (a prefix shared by several retentions counts once).
 
 Invariants (checked by ``check_invariants``; the tree checks the node side):
-    * ``num_blocks`` == sum of the live retentions' ``num_blocks`` <= ``max_blocks``
     * the live retentions are in creation order (oldest first)
     * every live retention has an entry ``(until, retention_id)`` in the expiry heap
       (the heap may also hold entries of retentions that ended early)
@@ -35,7 +31,6 @@ class Retention:
     retention_id: int
     node: RadixNode
     until: float
-    num_blocks: int
 
 
 class RetentionBook:
@@ -45,11 +40,7 @@ class RetentionBook:
     ``expired`` pops each heap entry once.
     """
 
-    def __init__(self, max_blocks: int | None = None) -> None:
-        if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 0):
-            raise ValueError(f"max_blocks must be None or an int >= 0, got {max_blocks!r}")
-        self.max_blocks = max_blocks
-        self.num_blocks = 0
+    def __init__(self) -> None:
         self._live: OrderedDict[int, Retention] = OrderedDict()  # oldest first
         self._expiry: list[tuple[float, int]] = []  # heap of (until, retention_id)
         self._ends: dict[int, list[Retention]] = {}  # node_id -> retentions ending there
@@ -61,26 +52,16 @@ class RetentionBook:
     def __iter__(self) -> Iterator[Retention]:
         return iter(list(self._live.values()))
 
-    def fits(self, num_blocks: int) -> bool:
-        """Whether a retention of ``num_blocks`` can exist at all under ``max_blocks``."""
-        return self.max_blocks is None or num_blocks <= self.max_blocks
-
-    def over_budget(self, num_blocks: int) -> bool:
-        """Whether adding ``num_blocks`` now would exceed ``max_blocks``."""
-        return self.max_blocks is not None and self.num_blocks + num_blocks > self.max_blocks
-
-    def add(self, node: RadixNode, until: float, num_blocks: int) -> Retention:
-        retention = Retention(next(self._ids), node, until, num_blocks)
+    def add(self, node: RadixNode, until: float) -> Retention:
+        retention = Retention(next(self._ids), node, until)
         self._live[retention.retention_id] = retention
         heapq.heappush(self._expiry, (until, retention.retention_id))
         self._ends.setdefault(node.node_id, []).append(retention)
-        self.num_blocks += num_blocks
         return retention
 
     def remove(self, retention: Retention) -> None:
         del self._live[retention.retention_id]
         self._unindex(retention)
-        self.num_blocks -= retention.num_blocks
         if len(self._expiry) > 2 * len(self._live) + 16:  # drop entries of early ends
             self._expiry = [(r.until, r.retention_id) for r in self._live.values()]
             heapq.heapify(self._expiry)
@@ -121,10 +102,6 @@ class RetentionBook:
 
     def check_invariants(self) -> None:
         """Assert every invariant in the module docstring. O(n log n)."""
-        total = sum(r.num_blocks for r in self._live.values())
-        if total != self.num_blocks or (self.max_blocks is not None and total > self.max_blocks):
-            raise RuntimeError(f"retained blocks {self.num_blocks} (recount {total}) exceed "
-                               f"or miscount the bound {self.max_blocks}")
         ids = list(self._live)
         if ids != sorted(ids):
             raise RuntimeError("live retentions are out of creation order")
