@@ -30,8 +30,8 @@ class KVBackendConfig:
     """``max_pinned_fraction``: at most this share of the KV blocks may be pinned
     by ``kv_pin`` requests (the rest stays available, so pins cannot starve
     the engine). ``max_retained_fraction``: at most this share of the KV blocks
-    may be retained by ``kv_retain_s`` requests (each retention counts its whole
-    context); beyond it the oldest retention becomes ordinary first.
+    may be retained by ``kv_retain_s`` requests (distinct blocks: a prefix several
+    retentions share counts once); beyond it the oldest retention becomes ordinary first.
 
     Tiers below the device KV cache (served by ``kvbackend.vllm.tiers.connector``):
     ``host_cache_gb``: GiB of host memory per worker for evicted KV blocks (0: off);
