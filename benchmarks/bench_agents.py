@@ -20,9 +20,7 @@ choose.
 The clock is the engine step: the engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the benchmark calls ``LLMEngine.step()``, so
 which request arrives when does not depend on the machine's speed. When no request is
-left to run, the clock jumps to the next arrival. (With a host tier the engine core
-needs its own process, see ``run_in_fresh_process``; ``step()`` then returns each of
-its steps' outputs in turn, and an arrival can land a step late.)
+left to run, the clock jumps to the next arrival.
 
 Configurations (``--configs``), each in a fresh process, one after another:
 
@@ -122,7 +120,7 @@ class AgentLoop:
     def run(self) -> dict[str, dict]:
         """Until every agent ran its turns. O(steps + requests log agents)."""
         while self.turns_left or self.live:
-            while self.turns_left and self.due[0][0] <= self.clock:
+            while self.turns_left and self.due and self.due[0][0] <= self.clock:
                 _, kind, i = heapq.heappop(self.due)
                 if kind == "turn":
                     self.submit(f"agent{i}-turn{self.turn[i]}", self.context[i], self.params(i),
@@ -291,12 +289,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_in_fresh_process(name: str, model: str, root: str, argv: list[str]) -> dict:
     """vLLM's in-process worker cannot start once an engine with kvbackend ran in the same
     process (numba's llvmlite is loaded), so each configuration gets its own. Its logs
-    go to stderr. With a host tier the engine core runs in a process of its own: vLLM
-    imports the tier connector while it builds the configuration, before its worker
-    starts, and the connector loads numba."""
+    go to stderr."""
     result = os.path.join(root, f"{name}.json")
-    in_process = not CONFIGS[name][1]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     subprocess.run([sys.executable, __file__, *argv, "--run-config", name, "--model", model,
                     "--result", result], check=True, env=env, stdout=sys.stderr)
