@@ -7,6 +7,9 @@ shared by every test module that asks for it.
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -40,6 +43,24 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def print_results(got, **fields) -> None:
+    """One JSON line: ``fields``, then the greedy outputs and cached tokens of the request
+    outputs ``got`` (what a script run in a fresh interpreter hands back to its test)."""
+    print(json.dumps({**fields, "outputs": [list(g.outputs[0].token_ids) for g in got],
+                      "cached": [g.num_cached_tokens for g in got]}))
+
+
+def numba_modules_after(code: str) -> str:
+    """The numba/llvmlite modules a fresh interpreter has loaded after running ``code``
+    (printed as a sorted list: "[]" for none)."""
+    script = (code + "\nimport sys\nprint(sorted(m for m in sys.modules"
+              " if m.split('.')[0] in ('numba', 'llvmlite')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
 
 @pytest.fixture(scope="session")

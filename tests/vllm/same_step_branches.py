@@ -11,12 +11,11 @@ started a kvbackend engine.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 
-from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
+from tests.vllm.conftest import BLOCK_SIZE, make_engine, print_results, shutdown
 
 
 def branches(seed: int = 7) -> tuple[list[int], list[list[int]]]:
@@ -38,9 +37,7 @@ def main(model: str) -> None:
         conversation, prompts = branches()
         llm.generate([{"prompt_token_ids": conversation}], params, use_tqdm=False)
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        print(json.dumps({"conversation": conversation, "prompts": prompts,
-                          "outputs": [list(g.outputs[0].token_ids) for g in got],
-                          "cached": [g.num_cached_tokens for g in got]}))
+        print_results(got, conversation=conversation, prompts=prompts)
     finally:
         shutdown(llm)
 

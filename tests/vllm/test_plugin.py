@@ -13,6 +13,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from kvbackend.vllm import SCHEDULER_CLS
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY
 from kvbackend.vllm.plugin import register
+from tests.vllm.conftest import numba_modules_after
 
 ARGV = ["--model", "some-model", "--enable-prefix-caching", "--block-size", "32"]
 
@@ -59,13 +60,7 @@ def test_tiers_turn_async_scheduling_off_and_refuse_it_when_asked_for():
 def test_loading_the_plugin_does_not_load_numba():
     """vLLM loads the plugin in every process, before a worker rebinds its Triton kernels
     by walking ``sys.modules``; llvmlite (numba's) loaded by then breaks the worker's start."""
-    script = ("import sys\n"
-              "from kvbackend.vllm.plugin import register\n"
-              "register()\n"
-              "from kvbackend.vllm import engine_kwargs\n"
-              "engine_kwargs(host_cache_gb=1)\n"
-              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+    assert numba_modules_after("from kvbackend.vllm.plugin import register\n"
+                               "register()\n"
+                               "from kvbackend.vllm import engine_kwargs\n"
+                               "engine_kwargs(host_cache_gb=1)") == "[]"

@@ -10,17 +10,11 @@ import sys
 
 from vllm import SamplingParams
 
-from tests.vllm.conftest import BLOCK_SIZE
+from tests.vllm.conftest import BLOCK_SIZE, numba_modules_after
 
 
 def test_importing_the_tier_connector_does_not_load_numba():
-    script = ("import sys\n"
-              "import kvbackend.vllm.tiers.connector\n"
-              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+    assert numba_modules_after("import kvbackend.vllm.tiers.connector") == "[]"
 
 
 def test_an_in_process_engine_with_a_host_tier_starts_and_hits(tiny_model, reference_llm):

@@ -11,12 +11,11 @@ has loaded numba's llvmlite (see ``kvbackend.vllm.tiers.connector``).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 
-from tests.vllm.conftest import make_engine, shutdown
+from tests.vllm.conftest import make_engine, print_results, shutdown
 
 
 def prompts(seed: int = 11) -> list[list[int]]:
@@ -39,9 +38,7 @@ def main(model: str) -> None:
         assert llm.reset_prefix_cache()  # the device tree only: the host tier keeps its blocks
         got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
                for p in (first, branch)]
-        print(json.dumps({"prompts": [first, branch],
-                          "outputs": [list(g.outputs[0].token_ids) for g in got],
-                          "cached": [g.num_cached_tokens for g in got]}))
+        print_results(got, prompts=[first, branch])
     finally:
         shutdown(llm)
 
