@@ -43,7 +43,7 @@ import timeit
 import numpy as np
 from bench_args import int_list, trace_parser
 
-from kvbackend.core import PrefixCache, as_token_array
+from kvbackend.core import PrefixCache, as_token_array, cdiv
 from kvbackend.core.token_ops import TOKEN_DTYPE
 
 TRACES = ("shared", "multiturn", "random")
@@ -81,7 +81,7 @@ def run_once(prompts: list, num_blocks: int, block_size: int, decode: int, check
         for prompt in prompts:
             n = len(prompt)
             t0 = clock()
-            need = -(-(n + decode) // block_size)
+            need = cdiv(n + decode, block_size)
             if cache.pool.num_free < need:
                 evicted += cache.evict(need - cache.pool.num_free)
             t1 = clock()
@@ -120,7 +120,7 @@ def run_once(prompts: list, num_blocks: int, block_size: int, decode: int, check
 
 
 def pool_blocks(length: int, args: argparse.Namespace) -> int:  # + 1: the null block
-    return POOL_PROMPTS * -(-(length + args.decode) // args.block_size) + 1
+    return POOL_PROMPTS * cdiv(length + args.decode, args.block_size) + 1
 
 
 def bench(kind: str, length: int, args: argparse.Namespace) -> dict:

@@ -61,6 +61,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
+from kvbackend.core import cdiv  # noqa: E402
 from kvbackend.sglang.radix_cache import KVBackendRadixCache  # noqa: E402
 
 CACHES = {"SGLang": RadixCache, "kvbackend": KVBackendRadixCache}
@@ -152,7 +153,7 @@ class Scheduler:
     def _extend(self, req: Req, start: int, end: int) -> None:
         """Slots for row positions [start, end): eviction timed, allocation not."""
         ps, row = self.page_size, req.kv.req_pool_idx
-        need = (-(-end // ps) - -(-start // ps)) * ps
+        need = (cdiv(end, ps) - cdiv(start, ps)) * ps
         t0 = self.clock()
         self.allocator.evict_to_free_tokens(self.cache, need)
         self.times["evict"] += self.clock() - t0

@@ -129,6 +129,21 @@ def test_eviction_is_lru_and_leaves_first(cache):
     cache.check_invariants()
 
 
+def test_a_partial_tail_block_goes_before_the_full_blocks_of_older_entries(cache):
+    """A finished prompt's partial tail block holds a few tokens in a whole block: it goes
+    before any full block of the same standing, whatever their last use (vLLM likewise
+    reuses its unhashed blocks first). Under LRU alone these blocks crowded out full
+    ones: bench_agents' resumed agents reused less than under vLLM's prefix caching."""
+    run(cache, [1] * 8)  # two full blocks, least recently used
+    run(cache, [2] * 9)  # two full blocks and a third holding one token
+    assert cache.evict(1) == 1
+    assert cache.match([1] * 8 + [5]).num_tokens == 8
+    assert cache.match([2] * 9 + [5]).num_tokens == 8
+    assert cache.evict(1) == 1  # now plain LRU among full blocks
+    assert cache.match([1] * 8 + [5]).num_tokens == 4
+    cache.check_invariants()
+
+
 def test_priority_outlives_recency(cache):
     run(cache, [4] * 4, priority=5)
     run(cache, [8] * 4)

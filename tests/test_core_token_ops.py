@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbackend.core import as_token_array, common_prefix_length
+from kvbackend.core import as_token_array, cdiv, common_prefix_length
 from tests.token_reference import lcp
 
 TOKEN = st.sampled_from([0, 1, 2**62 + 7])
@@ -21,3 +21,9 @@ def test_common_prefix_length_is_the_brute_force_lcp(data, shared, tails):
     assert common_prefix_length(a, start, b, start) == lcp(a[start:].tolist(),
                                                            b[start:].tolist())
     assert common_prefix_length(a, 0, b, 0) == lcp(a.tolist(), b.tolist())
+
+
+@given(a=st.integers(0, 2**62), b=st.integers(1, 2**20))
+def test_cdiv_is_the_least_count_of_b_sized_blocks_holding_a(a, b):
+    q = cdiv(a, b)
+    assert q * b >= a > (q - 1) * b or a == q == 0

@@ -38,7 +38,7 @@ class Harness:
 
     def __init__(self, path, num_blocks: int = 64) -> None:
         self.cache = PrefixCache(num_blocks, BS)
-        self.log = MissLog(str(path), self.cache.tree)
+        self.log = MissLog(str(path), self.cache)
         self.path = path
         self._ids = iter(range(10**6))
 

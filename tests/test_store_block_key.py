@@ -22,19 +22,10 @@ def test_golden_first_key_pins_the_encoding():
     assert chain_key(ID, "ns", None, np.array(tokens, np.int32)) == expected
 
 
-def test_only_full_blocks_unless_partial_requested():
-    tokens = np.arange(10)
-    full = compute_block_keys(tokens, BS, ID)
-    with_tail = compute_block_keys(tokens, BS, ID, include_partial=True)
-    assert len(full) == 2 and with_tail[:2] == full and len(with_tail) == 3
-    assert compute_block_keys(np.arange(8), BS, ID, include_partial=True) == full
-    assert compute_block_keys([], BS, ID, include_partial=True) == []
-
-
-def test_partial_tail_key_depends_on_its_count():
-    k9 = compute_block_keys(np.arange(9), BS, ID, include_partial=True)[-1]
-    k10 = compute_block_keys(np.arange(10), BS, ID, include_partial=True)[-1]
-    assert k9 != k10
+def test_only_full_blocks_get_keys():
+    full = compute_block_keys(np.arange(10), BS, ID)
+    assert len(full) == 2 and compute_block_keys(np.arange(8), BS, ID) == full
+    assert compute_block_keys([], BS, ID) == []
 
 
 def test_keys_of_a_prefix_are_a_prefix_of_the_keys():
@@ -93,5 +84,5 @@ def test_ids_above_int32_get_their_own_keys_and_leave_other_blocks_alone():
     assert keys[0] == compute_block_keys(small, BS, ID)[0]
     assert keys[1] != compute_block_keys(small + [1, 2, 3, 4], BS, ID)[1]
     assert keys[1] != compute_block_keys(small + [2**33 + 1, 2, 3, 4], BS, ID)[1]
-    assert compute_block_keys(np.array([2**62, 5]), BS, ID, include_partial=True) != \
-        compute_block_keys(np.array([0, 5]), BS, ID, include_partial=True)
+    assert chain_key(ID, "", None, np.array([2**62, 5])) != \
+        chain_key(ID, "", None, np.array([0, 5]))

@@ -458,7 +458,7 @@ def test_check_invariants_names_a_broken_count(tier):
     with pytest.raises(RuntimeError, match="negative counters"):
         tier.check_invariants()
     tier._counters["hits"] = 0
-    tier._index._bytes += 1
+    tier._index._lru._bytes += 1
     with pytest.raises(RuntimeError, match="bytes is"):
         tier.check_invariants()
-    tier._index._bytes -= 1
+    tier._index._lru._bytes -= 1

@@ -98,7 +98,7 @@ def test_bytearray_and_memoryview_are_copied():
 def test_check_invariants_catches_broken_accounting():
     tier = HostTier(100)
     tier.put(KEYS[0], b"x" * 10, 1)
-    tier._bytes += 1
+    tier._lru._bytes += 1
     with pytest.raises(RuntimeError, match="bytes accounted 11 != sum of payloads 10"):
         tier.check_invariants()
 

@@ -5,10 +5,10 @@ from kvbackend.core.prefix_cache import BlockCopy, PrefixCache, Sequence
 from kvbackend.core.radix_node import InsertResult, PrefixMatch, RadixNode
 from kvbackend.core.radix_tree import BlockRefs, RadixTree
 from kvbackend.core.stats import NamespaceStats
-from kvbackend.core.token_ops import TokenBuffer, as_token_array, common_prefix_length
+from kvbackend.core.token_ops import TokenBuffer, as_token_array, cdiv, common_prefix_length
 
 __all__ = [
     "BlockCopy", "BlockPool", "BlockRefs", "InsertResult", "NamespaceStats", "PrefixCache",
     "PrefixMatch", "RadixNode", "RadixTree", "Sequence", "TokenBuffer", "as_token_array",
-    "common_prefix_length",
+    "cdiv", "common_prefix_length",
 ]

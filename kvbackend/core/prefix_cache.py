@@ -27,15 +27,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence as Seq
+from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from kvbackend.core.block_pool import BlockPool
+from kvbackend.core.miss_diagnosis import Admission, LostSpan, diagnose
 from kvbackend.core.radix_node import PrefixMatch, RadixNode
 from kvbackend.core.radix_tree import RadixTree
-from kvbackend.core.token_ops import as_token_array
+from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
+from kvbackend.core.token_ops import as_token_array, cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,15 @@ class BlockCopy:
     src: int
     dst: int
     num_tokens: int
+
+
+class BlockCounts(NamedTuple):
+    """The pool's blocks: ``usable`` (all but the null block) == ``free`` + evictable
+    (cached, held by no one) + ``held`` (by sequences, locked nodes or pending copies)."""
+
+    usable: int
+    free: int
+    held: int
 
 
 @dataclass(eq=False, slots=True)
@@ -98,16 +110,46 @@ class PrefixCache:
     # ---------------------------------------------------------------- queries
     def match(
         self, tokens: Seq[int] | np.ndarray, namespace: Hashable = None, *,
-        max_tokens: int | None = None
+        max_tokens: int | None = None, touch: bool = True
     ) -> PrefixMatch:
-        """Longest cached prefix of ``tokens[:max_tokens]``. See ``RadixTree.match``."""
+        """Longest cached prefix of ``tokens[:max_tokens]``; with ``touch`` it marks the
+        path as used. O(depth + matched tokens + matched blocks); see ``RadixTree.match``."""
         tokens = as_token_array(tokens)
-        return self.tree.match(tokens if max_tokens is None else tokens[:max_tokens], namespace)
+        return self.tree.match(tokens if max_tokens is None else tokens[:max_tokens], namespace,
+                               touch=touch)
+
+    def is_current(self, match: PrefixMatch) -> bool:
+        """Whether ``match`` still describes the cache (``open_sequence`` accepts it). O(depth)."""
+        return self.tree.is_current(match)
+
+    def published_blocks(self, block_ids: Iterable[int]) -> set[int]:
+        """Those of ``block_ids`` that a cached prefix lists (matchable). O(nodes)."""
+        wanted = set(block_ids)
+        found: set[int] = set()
+        for node in self.tree.iter_nodes(all_namespaces=True):
+            found.update(wanted.intersection(node.block_ids.tolist()))
+        return found
+
+    def record_query(self, namespace: Hashable, num_query_tokens: int,
+                     num_hit_tokens: int) -> None:
+        """Count one lookup of ``namespace`` in its ``NamespaceStats``. O(1)."""
+        self.tree.record_query(namespace, num_query_tokens, num_hit_tokens)
+
+    def diagnose_miss(self, seen: SeenPrefixes, digests: PrefixDigests, prompt: np.ndarray,
+                      namespace: Hashable, admission: Admission) -> list[LostSpan]:
+        """Why ``prompt`` reused no more than it did; reads the cache only.
+        See ``miss_diagnosis.diagnose`` (its complexity too)."""
+        return diagnose(self.tree, seen, digests, prompt, namespace, admission)
 
     @property
     def num_allocatable_blocks(self) -> int:
         """Blocks that ``allocate`` can hand out now, evicting as needed. O(1)."""
         return self.pool.num_free + self.pool.num_evictable
+
+    def block_counts(self) -> BlockCounts:
+        """The pool's usable blocks and how many are free and held. O(1)."""
+        pool = self.pool
+        return BlockCounts(pool.num_usable_blocks, pool.num_free, pool.num_held)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -127,7 +169,7 @@ class PrefixCache:
         if total < match.num_tokens:
             raise ValueError(f"num_tokens {total} is below the {match.num_tokens} matched tokens")
         shared = list(match.block_ids[: match.num_full_blocks])
-        num_new = -(-total // self.block_size) - len(shared)
+        num_new = cdiv(total, self.block_size) - len(shared)
         self.tree.lock(match.node)  # keeps the matched blocks out of eviction below
         new_blocks = self._allocate(num_new)
         if new_blocks is None:
@@ -149,7 +191,7 @@ class PrefixCache:
         self._check_live(seq)
         if num_tokens < seq.num_tokens:
             raise ValueError(f"a sequence cannot shrink ({seq.num_tokens} -> {num_tokens} tokens)")
-        new_blocks = self._allocate(-(-num_tokens // self.block_size) - len(seq.block_ids))
+        new_blocks = self._allocate(cdiv(num_tokens, self.block_size) - len(seq.block_ids))
         if new_blocks is None:
             return None
         seq.block_ids.extend(new_blocks)
@@ -224,7 +266,7 @@ class PrefixCache:
         key = (namespace, tokens.tobytes())
         if key in self._pinned_blocks:
             return True
-        cost = -(-len(tokens) // self.block_size)
+        cost = cdiv(len(tokens), self.block_size)
         if sum(self._pinned_blocks.values()) + cost > self.max_pinned_blocks:
             return False
         if not self.tree.pin(tokens, namespace):
@@ -288,7 +330,7 @@ class PrefixCache:
         holds: Counter[int] = Counter()
         locks: Counter[int] = Counter()
         for seq in self._sequences.values():
-            if len(seq.block_ids) < -(-seq.num_tokens // self.block_size):
+            if len(seq.block_ids) < cdiv(seq.num_tokens, self.block_size):
                 raise RuntimeError(f"sequence {seq.seq_id} has too few blocks")
             refs.update(seq.block_ids)
             holds.update(seq.block_ids)

@@ -61,7 +61,7 @@ class RadixNode:
         self.last_access = 0
         self.node_id = node_id
         # (retained, priority, last_access, node_id): its key in the evictable set, if in it
-        self.evict_key: tuple[int, int, int, int] | None = None
+        self.evict_key: tuple[int, int, int, int, int] | None = None
 
     @property
     def end(self) -> int:

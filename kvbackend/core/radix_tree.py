@@ -22,9 +22,12 @@ inserted with a lower priority than its prefix gets a node of its own.
 
 A *retention* (``retain``) keeps a finished request's context -- the path from a
 root to a node -- ahead of ordinary entries until its expiry time on an injected
-clock: eviction orders unlocked leaves by (retained, priority, last access), so
-every ordinary leaf goes before any retained one, whatever their priorities, and
-among retained leaves the lower priority, then the least recently used, goes first.
+clock: eviction orders unlocked leaves by (retained, priority, full tail, last
+access), so every ordinary leaf goes before any retained one, whatever their
+priorities, and among retained leaves the lower priority, then the least recently
+used, goes first. Within the same standing a leaf ending inside a block gives that
+partial block up before any full block goes (it holds fewer tokens; vLLM likewise
+reuses its unhashed blocks first), then ranks by its last use like the others.
 Locked and pinned nodes are never evictable, retained or not. An expired retention
 leaves its nodes exactly as if it had never been made (their priority and last use
 were never changed by it). Expiry is lazy: ``evict``, ``insert`` and ``retain`` first
@@ -43,7 +46,8 @@ Invariants (checked by ``check_invariants``):
     * priority(parent) >= priority(child) below a root
     * lock_ref(node) >= sum(lock_ref(child)); a root's lock_ref is 0
     * the evictable set holds exactly the non-root leaves with lock_ref == 0,
-      each under its current key (retain_count > 0, priority, last_access, node_id)
+      each under its current key (retain_count > 0, priority, ends on a block
+      boundary, last_access, node_id)
     * retain_count(node) == the live retentions whose end node is the node or below
       it; so retain_count(parent) >= retain_count(child) below a root; every
       retention ends at a non-root node in the tree
@@ -74,7 +78,7 @@ from sortedcontainers import SortedList
 from kvbackend.core.radix_node import BLOCK_DTYPE, InsertResult, PrefixMatch, RadixNode
 from kvbackend.core.retention import Retention, RetentionBook
 from kvbackend.core.stats import NamespaceStats
-from kvbackend.core.token_ops import TOKEN_DTYPE, as_token_array, common_prefix_length
+from kvbackend.core.token_ops import TOKEN_DTYPE, as_token_array, cdiv, common_prefix_length
 
 
 class BlockRefs(Protocol):
@@ -187,7 +191,7 @@ class RadixTree:
         if not parts:
             return np.empty(0, BLOCK_DTYPE)
         blocks = np.concatenate(parts[::-1])
-        return blocks if num_tokens is None else blocks[: -(-num_tokens // bs)]
+        return blocks if num_tokens is None else blocks[: cdiv(num_tokens, bs)]
 
     def is_current(self, match: PrefixMatch) -> bool:
         """Whether ``match`` still describes the tree (no eviction touched it). O(depth)."""
@@ -262,8 +266,8 @@ class RadixTree:
         """
         tokens = as_token_array(tokens)
         n, bs = len(tokens), self.block_size
-        if len(block_ids) < -(-n // bs):
-            raise ValueError(f"{n} tokens need {-(-n // bs)} blocks of {bs}, got {len(block_ids)}")
+        if len(block_ids) < cdiv(n, bs):
+            raise ValueError(f"{n} tokens need {cdiv(n, bs)} blocks of {bs}, got {len(block_ids)}")
         self._expire()
         node = self._root(namespace)
         pos = 0
@@ -276,7 +280,7 @@ class RadixTree:
                 child = self._split(child, k)
             node, pos = child, pos + k
         existing = pos
-        self._raise_priority(node, priority)
+        self.raise_priority(node, priority)
         if pos < n:
             node = self._extend(node, tokens[pos:], block_ids, priority)
         self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += n - existing
@@ -294,6 +298,14 @@ class RadixTree:
         if node.end > num_tokens:
             node = self._split(node, num_tokens - node.start)
         return node
+
+    def raise_priority(self, node: RadixNode, priority: int) -> None:
+        """Raise the priority of ``node``'s path to at least ``priority``. O(depth + log n)
+        per raised node (only those below ``priority`` are touched)."""
+        while not node.is_root and node.priority < priority:
+            node.priority = priority
+            self._refresh(node)
+            node = node.parent
 
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and its ancestors from eviction. O(depth + newly held blocks)."""
@@ -400,7 +412,8 @@ class RadixTree:
         """Free at least ``num_blocks`` blocks if possible; returns how many were freed.
 
         Ends the expired retentions, then takes blocks from the tail of the lowest
-        (retained, priority, last use) unlocked leaf, repeatedly; with ``whole_leaves``
+        (retained, priority, full tail, last use) unlocked leaf, repeatedly (only its
+        partial tail block from a leaf ending inside a block); with ``whole_leaves``
         each leaf it takes goes entirely (SGLang's granularity: fewer, larger
         evictions). Complexity: O(l log n + k) for l leaves touched, k blocks
         dropped, n evictable leaves (plus the expiries, see ``retain``).
@@ -408,12 +421,13 @@ class RadixTree:
         self._expire()
         freed = skipped = 0
         while freed < num_blocks and skipped < len(self._evictable):
-            leaf = self._evictable[skipped][4]
+            leaf = self._evictable[skipped][-1]
             if self._frees_nothing(leaf):
                 skipped += 1
                 continue
             stats = self.stats.setdefault(leaf.namespace, NamespaceStats())
-            keep = 0 if whole_leaves else max(len(leaf.block_ids) - (num_blocks - freed), 0)
+            want = 1 if leaf.end % self.block_size else num_blocks - freed  # partial tail
+            keep = 0 if whole_leaves else max(len(leaf.block_ids) - want, 0)
             new_end = (leaf.start // self.block_size + keep) * self.block_size
             if new_end <= leaf.start:
                 parent = leaf.parent
@@ -426,6 +440,7 @@ class RadixTree:
                     self._num_retained_blocks -= len(leaf.block_ids) - keep
                 leaf.tokens = leaf.tokens[: new_end - leaf.start].copy()
                 leaf.block_ids = leaf.block_ids[:keep].copy()
+                self._refresh(leaf)  # its tail is full now
             stats.evicted_blocks += dropped
             freed += dropped
         return freed
@@ -449,19 +464,19 @@ class RadixTree:
         same priority whose last block is the caller's own, else hang a new leaf under it."""
         bs, pos = self.block_size, node.end
         end = pos + len(tail)
-        first_new = -(-pos // bs)  # first block index that starts at or after pos
+        first_new = cdiv(pos, bs)  # first block index that starts at or after pos
         boundary_is_own = pos % bs == 0 or (
             len(node.block_ids) and node.block_ids[-1] == block_ids[pos // bs])
         if (not node.is_root and not node.children and boundary_is_own and not node.retain_count
                 and node.priority == priority and not self._is_pinned_end(node)):
-            new_blocks = _block_array(block_ids[first_new : -(-end // bs)])
+            new_blocks = _block_array(block_ids[first_new : cdiv(end, bs)])
             self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
             if node.lock_ref:
                 self._num_held_blocks += len(new_blocks)
             node.tokens = np.concatenate([node.tokens, tail])
             node.block_ids = np.concatenate([node.block_ids, new_blocks])
             return node
-        leaf_blocks = _block_array(block_ids[pos // bs : -(-end // bs)])
+        leaf_blocks = _block_array(block_ids[pos // bs : cdiv(end, bs)])
         self._blocks.ref(leaf_blocks, hold=False)
         leaf = RadixNode(node.namespace, node, tail.copy(), pos, leaf_blocks, next(self._ids))
         leaf.priority = priority
@@ -534,6 +549,8 @@ class RadixTree:
                 and leaf.parent.lock_ref > 0 and leaf.parent.block_ids[-1] == leaf.block_ids[0])
 
     def _is_pinned_end(self, node: RadixNode) -> bool:
+        """Whether a pinned prefix ends at ``node`` (it must keep its end). O(1): the
+        ``_pinned_ends`` index, not a scan of the pins, on the leaf-extend path."""
         return node.node_id in self._pinned_ends
 
     def _path_share(self, node: RadixNode) -> int:
@@ -605,12 +622,6 @@ class RadixTree:
                 self._refresh(node)
             node = node.parent
 
-    def _raise_priority(self, node: RadixNode, priority: int) -> None:
-        while not node.is_root and node.priority < priority:
-            node.priority = priority
-            self._refresh(node)
-            node = node.parent
-
     def _discard(self, node: RadixNode) -> None:
         if node.evict_key is not None:
             self._evictable.remove((*node.evict_key, node))
@@ -620,7 +631,7 @@ class RadixTree:
         """Put ``node`` in the evictable set under its current key, or take it out."""
         self._discard(node)
         if not node.is_root and not node.children and node.lock_ref == 0:
-            node.evict_key = _evict_key(node)
+            node.evict_key = _evict_key(node, self.block_size)
             self._evictable.add((*node.evict_key, node))
 
     # ------------------------------------------------------------- invariants
@@ -657,9 +668,10 @@ class RadixTree:
                     raise RuntimeError(f"{node!r} has fewer locks than its children")
                 if not node.is_root and not node.children and node.lock_ref == 0:
                     expected_evictable.add(node.node_id)
-                if node.evict_key is not None and node.evict_key != _evict_key(node):
+                if (node.evict_key is not None
+                        and node.evict_key != _evict_key(node, self.block_size)):
                     raise RuntimeError(f"{node!r} is in the evictable set under a stale key")
-        actual = {entry[3] for entry in self._evictable}
+        actual = {entry[-2] for entry in self._evictable}
         if actual != expected_evictable or len(self._evictable) != len(actual):
             raise RuntimeError(f"evictable set {sorted(actual)} != unlocked leaves "
                                f"{sorted(expected_evictable)}")
@@ -718,9 +730,11 @@ class RadixTree:
                                f"{self.max_retained_blocks}")
 
 
-def _evict_key(node: RadixNode) -> tuple[int, int, int, int]:
-    """Ordinary before retained, then lower priority, then least recently used."""
-    return (int(node.retain_count > 0), node.priority, node.last_access, node.node_id)
+def _evict_key(node: RadixNode, block_size: int) -> tuple[int, int, int, int, int]:
+    """Ordinary before retained, then lower priority, then a partial tail block before
+    full blocks, then least recently used."""
+    return (int(node.retain_count > 0), node.priority, int(node.end % block_size == 0),
+            node.last_access, node.node_id)
 
 
 def _new_root(namespace: Hashable) -> RadixNode:

@@ -50,6 +50,12 @@ def common_prefix_length(a: np.ndarray, a_start: int, b: np.ndarray, b_start: in
     return int(_common_prefix_length(a, a_start, b, b_start, limit))
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, ``b > 0``: the blocks of size ``b`` that ``a`` tokens
+    fill. O(1)."""
+    return -(-a // b)
+
+
 def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """Validate token ids and return them as a contiguous int64 array.
 

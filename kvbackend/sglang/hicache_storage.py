@@ -1,4 +1,5 @@
-"""HiCache L3 storage (``--hicache-storage-backend dynamic``) on kvbackend's ``DiskTier``.
+"""HiCache L3 storage (``--hicache-storage-backend dynamic``) on kvbackend's ``DiskTier``, or
+on its ``RemoteTier`` (Redis / Valkey) that a fleet of instances shares.
 
 SGLang names a page by a 64-hex sha256 chain over the token pages; a request's
 ``cache_salt``/``extra_key`` enters only through the chain's seed, and the model,
@@ -17,11 +18,21 @@ routed to another group still hits (SGLang's own file backend shares them too).
 per-request one. Writes are atomic, corrupt files read as misses and
 are deleted, and the directory is LRU-bounded by ``max_bytes`` (all DiskTier).
 
+With ``extra_config["remote_cache_url"]`` (``redis://[[user]:password@]host[:port][/db]``,
+``rediss://``, ``unix://``) the pages go to that server instead of a directory: the same
+keys (``kvb:v2:<identity digest>:<file key>``, the vLLM remote tier's layout) and the same
+header and checks, one pipelined round trip per batch; the server's ``maxmemory`` policy
+bounds it, and a server that is away is a miss and a failed backup, with one warning
+(``kvbackend.store.remote_tier``). ``remote_cache_password_file`` and
+``remote_cache_key_file`` (0600 files: the server's password, a 32-byte checksum key)
+as in vLLM's ``--kv-backend-config``.
+
 extra_config keys (all optional): ``disk_cache_dir`` (default
 ``$KVBACKEND_SGLANG_DISK_DIR``, else ``default_directory()``: per user, never a
 shared /tmp), ``max_bytes`` (default 64 GiB), ``model_path``, ``namespace``,
 ``durable`` (fsync, default true), ``interface_v1`` (SGLang then calls
-``batch_get_v1``/``batch_set_v1``).
+``batch_get_v1``/``batch_set_v1``), ``remote_cache_url``, ``remote_cache_password_file``,
+``remote_cache_key_file``.
 
 With ``--enable-metrics`` each batch's page count and bandwidth are reported
 through ``get_stats()`` as SGLang's ``StorageMetrics``. Hybrid models (extra SWA,
@@ -48,7 +59,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
+from kvbackend.sglang.page_store import DiskPages, RemotePages
 from kvbackend.store import CacheIdentity, DiskTier, model_fingerprint
+from kvbackend.store.checksum_key import load_checksum_key
+from kvbackend.store.remote_tier import RemoteTier, read_password_file
 
 logger = logging.getLogger("kvbackend.sglang")
 
@@ -119,8 +133,12 @@ class KVBackendHiCacheStorage(HiCacheStorage):
         self.max_bytes = int(extra.get("max_bytes", DEFAULT_MAX_BYTES))
         self.namespace = str(extra.get("namespace", ""))
         self.durable = bool(extra.get("durable", True))
+        self.remote_url = extra.get("remote_cache_url")
+        password_file = extra.get("remote_cache_password_file")
+        self.remote_password = read_password_file(password_file) if password_file else None
+        self.remote_key = load_checksum_key(extra.get("remote_cache_key_file"), env={})
         self.mem_pool_host = None
-        self.tier: Optional[DiskTier] = None
+        self.tier: Optional[DiskPages | RemotePages] = None
         self.page_size: Optional[int] = None
         self.metrics = StorageMetrics() if storage_config.enable_storage_metrics else None
         self._metrics_lock = threading.Lock()  # batches run on SGLang's I/O threads
@@ -149,8 +167,14 @@ class KVBackendHiCacheStorage(HiCacheStorage):
         identity = page_identity(self.config, kv_dtype=kv_dtype, page_size=page_size,
                                  kv_layout=kv_layout)
         self.page_size = page_size
-        self.tier = DiskTier(self.directory, self.max_bytes, identity,
-                             read_only=not self.config.is_storage_writer, durable=self.durable)
+        if self.remote_url:
+            self.tier = RemotePages(RemoteTier(self.remote_url, identity,
+                                               checksum_key=self.remote_key,
+                                               password=self.remote_password))
+        else:
+            self.tier = DiskPages(DiskTier(self.directory, self.max_bytes, identity,
+                                           read_only=not self.config.is_storage_writer,
+                                           durable=self.durable))
 
     def _key(self, key: str) -> str:
         if self.tier is None:
@@ -159,79 +183,90 @@ class KVBackendHiCacheStorage(HiCacheStorage):
 
     # -------------------------------------------------------------- key-value
     def exists(self, key: str) -> bool:
-        return self.tier.contains(self._key(key))
+        """One ``stat`` (disk) or one round trip (remote). O(1)."""
+        return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: List[str],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Number of leading keys present (one ``stat`` each, stops at the first miss)."""
+        """Number of leading keys present (disk: one ``stat`` each, stops at the first
+        miss; remote: one round trip)."""
         return self.tier.contains_prefix([self._key(k) for k in keys])
 
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
-        """The verified page, copied into ``target_location`` (a flat tensor) if given;
-        None on a miss, a corrupt file or a size mismatch."""
-        payload = self.tier.get(self._key(key))
-        if payload is None:
-            return None
-        if target_location is None:
-            return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        target = target_location.view(torch.uint8).view(-1)
-        if target.numel() != len(payload):
-            logger.warning("kvbackend HiCache storage: page %s holds %d bytes, the target %d",
-                           key, len(payload), target.numel())
-            return None
-        target.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        return target_location
+        """The verified page, read into ``target_location`` (a flat CPU tensor, the host
+        pool's page) if given (from disk with no copy besides the read:
+        ``DiskTier.get_into``); None on a miss, a corrupt value or a page of another
+        size. O(page bytes)."""
+        return self._read([key], [target_location])[0]
+
+    def _read(self, keys: List[str], targets: list) -> List[torch.Tensor | None]:
+        """``get`` of each key into its target (None: a new tensor), one batch."""
+        views = [None if t is None else t.view(torch.uint8).view(-1).numpy() for t in targets]
+        payloads = self.tier.read_many([self._key(k) for k in keys], views)
+        return [None if p is None else t if t is not None
+                else torch.frombuffer(bytearray(p), dtype=torch.uint8)
+                for p, t in zip(payloads, targets)]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        """``get`` of each key. O(keys * page bytes)."""
         start, targets = time.perf_counter(), target_locations or [None] * len(keys)
-        pages = [self.get(k, t) for k, t in zip(keys, targets)]
+        pages = self._read(keys, targets)
         self._measure("prefetch", start, [p for p in pages if p is not None])
         return pages
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
+        """Store one page. O(page bytes)."""
         page = value if value is not None else target_location
         if page is None:
             raise ValueError("set needs a value")
-        return self.tier.put(self._key(key), _bytes_of(page), self.page_size)
+        return self._store([key], [page])[0]
+
+    def _store(self, keys: List[str], pages: list) -> List[bool]:
+        return self.tier.put_many([(self._key(k), _bytes_of(p), self.page_size)
+                                   for k, p in zip(keys, pages)])
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
                   ) -> bool:
+        """``set`` of each key; True if all were stored. O(keys * page bytes)."""
         start, pages = time.perf_counter(), values if values is not None else target_locations
-        done = all([self.set(k, v) for k, v in zip(keys, pages)])
+        done = all(self._store(keys, pages))
         self._measure("backup", start, pages)
         return done
 
     # ---------------------------------------------- v1: straight from host pages
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        """Load page i into the host pool at ``host_indices[i * page_size]``."""
-        start, pool, loaded = time.perf_counter(), self.mem_pool_host, []
-        for i, key in enumerate(keys):
-            page = self.get(key, pool.get_dummy_flat_data_page())
+        """Load page i into the host pool at ``host_indices[i * page_size]``.
+        O(keys * page bytes)."""
+        start, pool = time.perf_counter(), self.mem_pool_host
+        loaded = self._read(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(loaded):
             if page is not None:
                 pool.set_from_flat_data_page(int(host_indices[i * self.page_size]), page)
-            loaded.append(page)
         self._measure("prefetch", start, [page for page in loaded if page is not None])
         return [page is not None for page in loaded]
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store the host pool's page at ``host_indices[i * page_size]`` as key i.
+        O(keys * page bytes)."""
         start, pool = time.perf_counter(), self.mem_pool_host
         pages = [pool.get_data_page(int(host_indices[i * self.page_size]))
                  for i in range(len(keys))]
-        done = [self.set(key, page) for key, page in zip(keys, pages)]
+        done = self._store(keys, pages)
         self._measure("backup", start, pages)
         return done
 
     # ------------------------------------------------------------------- misc
     def clear(self) -> None:
-        """Delete every page of this identity (other models' pages stay)."""
+        """Delete every page of this identity on disk (other models' pages stay); a
+        remote server's pages stay (``RemotePages.clear``). O(its files)."""
         if self.tier is not None:
-            self.tier.evict_to(0)
+            self.tier.clear()
 
     def _measure(self, kind: str, start: float, pages: list) -> None:
         """Record one batch (``kind`` "prefetch" or "backup") for ``get_stats``."""

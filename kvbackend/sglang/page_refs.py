@@ -73,7 +73,7 @@ class PageRefs:
     hands it back to the allocator. Holds need nothing per page: the tree counts its
     held pages itself (``RadixTree.num_held_blocks``) and never drops a locked node's.
 
-    Invariants (``check``): counts[p] == #(tree nodes listing page p);
+    Invariants (``check_invariants``): counts[p] == #(tree nodes listing page p);
     num_pages == #{p : counts[p] > 0}.
     """
 
@@ -108,8 +108,9 @@ class PageRefs:
     def unhold(self, ids: np.ndarray) -> None:
         """Nothing to do per page (see the class docstring)."""
 
-    def check(self, listings: list[np.ndarray]) -> None:
-        """Assert the invariants, given every tree node's page list. O(nodes + pages)."""
+    def check_invariants(self, listings: list[np.ndarray]) -> None:
+        """Raise ``RuntimeError`` naming a broken invariant, given every tree node's page
+        list. O(nodes + pages)."""
         listed = np.zeros_like(self.counts)
         for pages in listings:
             listed[pages] += 1  # a node lists distinct pages

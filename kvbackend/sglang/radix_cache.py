@@ -51,7 +51,7 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -66,11 +66,11 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     IncLockRefResult,
     MatchPrefixParams,
     MatchResult,
-    _dfs_weight_order,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from kvbackend.core import RadixNode, RadixTree
+from kvbackend.core import RadixNode, RadixTree, cdiv
+from kvbackend.core.prefix_order import shared_prefix_order
 from kvbackend.sglang.page_refs import PageRefs, page_slots
 
 logger = logging.getLogger("kvbackend.sglang")
@@ -115,13 +115,6 @@ class TreeHandle:
 _EMPTY = TreeHandle(None, 0)
 
 
-class _Forest:
-    """A virtual root above the per-namespace roots (for SGLang's DFS scheduling order)."""
-
-    def __init__(self, roots: Mapping) -> None:
-        self.children = roots
-
-
 class KVBackendRadixCache(BasePrefixCache):
     """A ``BasePrefixCache`` whose tree is kvbackend's ``RadixTree``.
 
@@ -158,12 +151,12 @@ class KVBackendRadixCache(BasePrefixCache):
 
     # ----------------------------------------------------------------- set-up
     def reset(self) -> None:
-        """Forget everything cached (SGLang clears the allocator itself on a flush)."""
+        """Forget everything cached (SGLang clears the allocator itself on a flush).
+        O(pages) for the fresh page counts."""
         self.refs = PageRefs(self.token_to_kv_pool_allocator, self.page_size)
         num_pages = self.token_to_kv_pool_allocator.size // self.page_size
         self.tree = RadixTree(self.page_size, self.refs,
                               max_retained_blocks=int(MAX_RETAINED_FRACTION * num_pages))
-        self._forest = _Forest(self.tree.roots)
         self.root_node = _EMPTY
 
     def _page_aligned(self, ids: Any) -> np.ndarray:
@@ -202,6 +195,7 @@ class KVBackendRadixCache(BasePrefixCache):
         return self._match_result(handle)
 
     def touch_prefix(self, key) -> None:
+        """Mark the cached prefix of ``key`` as used. O(depth + matched tokens)."""
         try:
             self.tree.lookup(self._page_aligned(key.raw_token_ids()),
                              cache_namespace(key.extra_key, key.cache_salt))
@@ -220,11 +214,10 @@ class KVBackendRadixCache(BasePrefixCache):
         pages = self.tree.path_block_ids(node.node, node.num_tokens)
         return page_slots(pages, self.page_size).to(self.device)
 
-    def resolve_node_handle(self, node_handle: TreeHandle) -> Any:
-        return node_handle.node if node_handle.node is not None else self._forest
-
-    def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
-        return _dfs_weight_order(self._forest, node_handles, self.resolve_node_handle)
+    def dfs_weight_order(self, node_handles: Sequence[TreeHandle]) -> list[int]:
+        """SGLang's ``dfs-weight`` schedule: requests sharing a cached prefix together,
+        the most shared first. O(r * depth) for r requests; see ``core/prefix_order.py``."""
+        return shared_prefix_order([h.node for h in node_handles], self.tree.roots.values())
 
     # ----------------------------------------------------------------- update
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
@@ -252,7 +245,7 @@ class KVBackendRadixCache(BasePrefixCache):
             self._refuse(e)
             return  # the request keeps its pages; release_kv_cache frees them
         if self.eviction_policy == "priority":
-            self._keep_prompt_above_output(req, tokens, own_pages, namespace, priority)
+            self._keep_prompt_above_output(req, node, priority)
 
         # [protected, key_len): pages the tree kept from before are duplicates of ours.
         tree_pages = self.tree.path_block_ids(node, key_len)[protected // ps:]
@@ -282,14 +275,14 @@ class KVBackendRadixCache(BasePrefixCache):
         if seconds:
             self.tree.retain(self.tree.split_at(node, req.last_node.num_tokens), seconds)
 
-    def _keep_prompt_above_output(self, req, tokens: np.ndarray, pages: np.ndarray,
-                                  namespace: Hashable, priority: int) -> None:
+    def _keep_prompt_above_output(self, req, node: RadixNode, priority: int) -> None:
         """SGLang's rule: a request's prompt is cached at its priority + 1, so outputs of
-        equal priority are evicted before prompts. Re-inserting the page-aligned prompt
-        splits the node there and raises the prompt's path; it adopts no page."""
+        equal priority are evicted before prompts: split ``node`` (the inserted path's end)
+        at the page-aligned prompt's end and raise the prompt's path. O(depth + tokens of
+        the split node)."""
         prompt_len = len(req.origin_input_ids) // self.page_size * self.page_size
-        if 0 < prompt_len < len(tokens):
-            self.tree.insert(tokens[:prompt_len], pages, namespace, priority=priority + 1)
+        if 0 < prompt_len < node.end:
+            self.tree.raise_priority(self.tree.split_at(node, prompt_len), priority + 1)
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Free at least ``params.num_tokens`` tokens by dropping whole unlocked leaves.
@@ -299,7 +292,7 @@ class KVBackendRadixCache(BasePrefixCache):
         if params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        num_pages = -(-params.num_tokens // self.page_size)
+        num_pages = cdiv(params.num_tokens, self.page_size)
         evicted = self.tree.evict(num_pages, whole_leaves=True) * self.page_size
         self.update_eviction_metrics(evicted, start)
         return EvictResult(num_tokens_evicted=evicted)
@@ -325,12 +318,13 @@ class KVBackendRadixCache(BasePrefixCache):
     def pin_prefix(self, token_ids: Sequence[int], *, extra_key: Optional[str] = None,
                    cache_salt: Optional[str] = None) -> bool:
         """Keep a cached prefix resident until as many ``unpin_prefix`` calls; False unless
-        all of it (page-aligned) is cached. The pinned tokens count as protected."""
+        all of it (page-aligned) is cached. The pinned tokens count as protected.
+        O(depth + tokens)."""
         return self.tree.pin(self._page_aligned(token_ids), cache_namespace(extra_key, cache_salt))
 
     def unpin_prefix(self, token_ids: Sequence[int], *, extra_key: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> None:
-        """Undo one ``pin_prefix``; ValueError if the prefix is not pinned."""
+        """Undo one ``pin_prefix``; ValueError if the prefix is not pinned. O(depth + tokens)."""
         self.tree.unpin(self._page_aligned(token_ids), cache_namespace(extra_key, cache_salt))
 
     # ------------------------------------------------------------ accounting
@@ -338,9 +332,11 @@ class KVBackendRadixCache(BasePrefixCache):
         return True
 
     def evictable_size(self) -> int:
+        """Slots of pages the tree lists and no lock or pin protects. O(1)."""
         return (self.refs.num_pages - self.tree.num_held_blocks) * self.page_size
 
     def protected_size(self) -> int:
+        """Slots of pages that locked or pinned nodes list. O(1)."""
         return self.tree.num_held_blocks * self.page_size
 
     def full_evictable_size(self) -> int:
@@ -350,7 +346,7 @@ class KVBackendRadixCache(BasePrefixCache):
         return self.protected_size()
 
     def total_size(self) -> int:
-        """Slots the tree owns (shared pages counted once)."""
+        """Slots the tree owns (shared pages counted once). O(1)."""
         return self.refs.num_pages * self.page_size
 
     def pretty_print(self) -> None:
@@ -369,7 +365,8 @@ class KVBackendRadixCache(BasePrefixCache):
         """The tree's invariants, plus: the page counts are the tree's listings.
         O(nodes + pages)."""
         self.tree.check_invariants()
-        self.refs.check([node.block_ids for node in self.tree.iter_nodes(all_namespaces=True)])
+        nodes = self.tree.iter_nodes(all_namespaces=True)
+        self.refs.check_invariants([node.block_ids for node in nodes])
 
 
 __all__ = ["KVBackendRadixCache", "TreeHandle", "cache_namespace", "SUPPORTED_EVICTION_POLICIES"]

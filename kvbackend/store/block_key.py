@@ -20,8 +20,7 @@ lookup is "how many leading keys are present" (``TierStore.contains_prefix``).
 
 The identity digest and namespace (tenant salt, LoRA, ...) are hashed into
 every link, not only the root, so a key alone says which model/tenant it is for.
-A partial tail block (``n < B`` tokens) is keyed the same way with its count in
-the key; it is a leaf: the next full block chains on the last *full* key.
+Only full blocks get keys: a partial tail is never stored in a tier.
 """
 
 from __future__ import annotations
@@ -91,14 +90,10 @@ def compute_block_keys(
     identity_digest: str,
     namespace: str | bytes = "",
     *,
-    include_partial: bool = False,
     parent: str | None = None,
 ) -> list[str]:
-    """Keys of the blocks of ``tokens``: one per full block, in order.
-
-    With ``include_partial`` and ``len(tokens) % block_size != 0``, one more key
-    for the partial tail block is appended (the caller can tell by the length).
-    ``parent`` continues a chain (``tokens`` then starts at a block boundary).
+    """Keys of the blocks of ``tokens``: one per full block, in order (a partial tail
+    gets none). ``parent`` continues a chain (``tokens`` then starts at a block boundary).
     Raises ``ValueError`` for bad token ids, block size or digests.
     Complexity: O(len(tokens)) time, O(len(tokens) / block_size) extra memory.
     """
@@ -112,6 +107,4 @@ def compute_block_keys(
     for i in range(num_full):
         prev = _link(head, prev, array[i * block_size:(i + 1) * block_size])
         keys.append(prev.hex())
-    if include_partial and len(array) % block_size:
-        keys.append(_link(head, prev, array[num_full * block_size:]).hex())
     return keys

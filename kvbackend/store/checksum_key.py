@@ -57,7 +57,7 @@ def load_checksum_key(key_file: str | None,
                       env: Mapping[str, str] = os.environ) -> bytes | None:
     """The key from ``key_file`` if given, else from ``$KVBACKEND_DISK_KEY``, else None."""
     if key_file is not None:
-        return _parse(_read_key_file(key_file), f"key file {key_file}")
+        return _parse(read_private_file(key_file), f"key file {key_file}")
     if KEY_ENV in env:
         text = env[KEY_ENV].strip()
         if len(text) != 2 * KEY_LEN or text.strip("0123456789abcdefABCDEF"):
@@ -67,21 +67,23 @@ def load_checksum_key(key_file: str | None,
     return None
 
 
-def _read_key_file(path: str) -> bytes:
+def read_private_file(path: str, what: str = "key file") -> bytes:
+    """The first bytes of a secret ``what`` at ``path``: a regular file (or a symlink to
+    one) owned by this user or root, mode 0600 or 0400; ``ValueError`` otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"cannot read key file {path}: {e}") from None
+        raise ValueError(f"cannot read {what} {path}: {e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"key file {path} is not a regular file")
+            raise ValueError(f"{what} {path} is not a regular file")
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o077:
-            raise ValueError(f"key file {path} has mode {mode:04o}: it must not be readable "
+            raise ValueError(f"{what} {path} has mode {mode:04o}: it must not be readable "
                              f"or writable by group or others (chmod 600)")
         if st.st_uid not in (os.geteuid(), 0):
-            raise ValueError(f"key file {path} is owned by uid {st.st_uid}, not by this "
+            raise ValueError(f"{what} {path} is owned by uid {st.st_uid}, not by this "
                              f"process (uid {os.geteuid()}) nor root")
         return os.read(fd, _MAX_FILE_BYTES)
     finally:

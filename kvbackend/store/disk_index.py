@@ -11,24 +11,23 @@ replayed on top, so a put, hit or eviction made meanwhile is never lost.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
+
+from kvbackend.store.lru_index import LruIndex
 
 _Change = tuple[str, int | None, bool]  # (key, size or None for a drop, only if absent)
 
 
 class DiskIndex:
-    """key -> file size in bytes, least recently used first, and their total.
-
-    Invariant (``check_invariants``): ``bytes`` is the sum of the sizes, each >= 0.
+    """key -> file size in bytes, least recently used first, and their total (an
+    ``LruIndex``, whose invariants are this index's), plus the rebuild log.
     Thread-safe. Complexity: ``touch``/``drop`` O(1); ``pop_lru`` O(#popped);
     ``end_rebuild`` O(#found + #changes logged).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sizes: OrderedDict[str, int] = OrderedDict()
-        self._bytes = 0
+        self._lru = LruIndex()
         self._log: list[_Change] | None = None
 
     # ----------------------------------------------------------------- updates
@@ -50,25 +49,16 @@ class DiskIndex:
     def pop_lru(self, max_bytes: int) -> list[str]:
         """Forget least recently used keys until at most ``max(0, max_bytes)`` bytes
         remain; returns them, oldest first (the caller deletes their files)."""
-        popped = []
         with self._lock:
-            while self._bytes > max(0, max_bytes) and self._sizes:
-                key, size = self._sizes.popitem(last=False)
-                self._bytes -= size
-                popped.append(key)
-                if self._log is not None:
-                    self._log.append((key, None, False))
+            popped = self._lru.pop_lru(max_bytes)
+            if self._log is not None:
+                self._log.extend((key, None, False) for key in popped)
         return popped
 
     def _apply(self, key: str, size: int | None, only_if_absent: bool) -> bool:
-        if only_if_absent and key in self._sizes:
+        if only_if_absent and key in self._lru:
             return True
-        old = self._sizes.pop(key, None)
-        if old is not None:
-            self._bytes -= old
-        if size is not None:
-            self._sizes[key] = size
-            self._bytes += size
+        old = self._lru.drop(key) if size is None else self._lru.add(key, size)
         return old is not None
 
     # ----------------------------------------------------------------- rebuild
@@ -83,34 +73,29 @@ class DiskIndex:
         """Replace the contents by ``found`` ((key, size) pairs, least recently used
         first, from a scan made since ``begin_rebuild``), then replay the changes
         logged meanwhile, and stop logging."""
-        fresh = OrderedDict(found)
+        fresh = LruIndex(found)
         with self._lock:
             if self._log is None:
                 raise RuntimeError("DiskIndex.end_rebuild without begin_rebuild")
             log, self._log = self._log, None
-            self._sizes, self._bytes = fresh, sum(fresh.values())
+            self._lru = fresh
             for key, size, only_if_absent in log:
                 self._apply(key, size, only_if_absent)
 
     # ----------------------------------------------------------------- queries
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._lru.bytes
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._lru)
 
     def keys_lru(self) -> list[str]:
         """Known keys, least recently used first. O(n)."""
         with self._lock:
-            return list(self._sizes)
+            return self._lru.keys()
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` (naming the numbers) if an invariant fails. O(n)."""
         with self._lock:
-            total = sum(self._sizes.values())
-            if total != self._bytes:
-                raise RuntimeError(f"DiskIndex: bytes is {self._bytes}, sizes sum to {total}")
-            negative = [k for k, s in self._sizes.items() if s < 0]
-            if negative:
-                raise RuntimeError(f"DiskIndex: negative sizes for {negative[:3]}")
+            self._lru.check_invariants()

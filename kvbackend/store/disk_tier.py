@@ -3,49 +3,20 @@
 On-disk format, version 2
 =========================
 
-Directory layout (``dir`` may be shared by several processes and identities)::
-
-    <dir>/v2/<identity digest>/identity.json           CacheIdentity fields (for the CLI)
-    <dir>/v2/<identity digest>/bounds/<bytes>.<pid>.<8 hex>   a live writer's size bound
-    <dir>/v2/<identity digest>/<key[:2]>/<key>.kvb     one block
-    <dir>/v2/<identity digest>/<key[:2]>/.<key>.kvb.<pid>.<8 hex>.tmp   a write in progress
+Directory layout: one file per block, ``<dir>/v2/<identity digest>/<key[:2]>/<key>.kvb``,
+beside ``identity.json``, the live writers' ``bounds/`` and temp files; every name is
+defined and recognised in :mod:`kvbackend.store.layout` (``dir`` may be shared by
+several processes and identities).
 
 ``<identity digest>`` is ``CacheIdentity.digest()`` (model weights fingerprint,
 kv dtype, block size, layout, TP rank/size, format version, and the checksum
 key's id for a keyed tier), so blocks of different models, dtypes, TP shards or
 keys can never be confused, even by path. The ``v2`` level keeps formats apart:
 a ``v1`` tree (format 1, sha256 checksums) left next to it is never read,
-scanned or removed (``rm -r`` it). Exact names: :mod:`kvbackend.store.layout`.
+scanned or removed (``rm -r`` it).
 
-Block file = 128-byte header + payload, all integers little-endian::
-
-    offset size  field
-    0      8     magic b"KVBLOCK\\0"
-    8      2     format version, u16 = 2
-    10     2     header length, u16 = 128 (the payload starts here)
-    12     4     flags, u32: bit 0 = keyed checksum; other bits 0 (a reader refuses them)
-    16     32    identity digest, raw sha256 bytes
-    48     32    block key, raw sha256 bytes
-    80     4     num_tokens, u32 (tokens in the block; < block_size for a partial block)
-    84     4     reserved, u32 = 0
-    88     8     payload length, u64 (= file size - 128)
-    96     32    checksum: BLAKE3(bytes 0..95 of the header + payload); keyed mode
-                 under the tier's 32-byte checksum key if flag bit 0 is set
-    128    ...   payload (opaque KV bytes)
-
-Checksum: BLAKE3 through its official bindings (``blake3``, also a dependency
-of vLLM). It is a cryptographic hash, so no corruption pattern slips through
-by structure (a 32-bit CRC misses 1 in 4e9 random corruptions, and a cache may
-hold millions of files). It replaced format 1's sha256 because verifying every
-read capped disk loads: on 4 MiB payloads on the dev box (2-core AMD EPYC with
-SHA-NI and AVX-512) BLAKE3 hashes 4.3 GB/s, OpenSSL's sha256 1.8 and blake2b
-0.9; a page-cache read plus verification went from 1.5 to 3.9 GB/s. It runs on
-the calling thread and releases the GIL; BLAKE3's own threads
-(``max_threads=AUTO``, 4.2 GB/s) gained nothing there, where two hashing
-threads, or processes, get about half the speed each. It covers the header
-fields too, so a flipped bit in num_tokens is caught. Keyed mode (a MAC, same
-speed) is for directories shared across a trust boundary: a writer without the
-key cannot make a block that verifies (:mod:`kvbackend.store.checksum_key`).
+Block file = 128-byte header + payload: the byte layout, its checksum and the
+reasons behind them are in :mod:`kvbackend.store.block_file`, which implements it.
 
 Guarantees
 ==========
@@ -102,6 +73,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -125,7 +97,7 @@ from kvbackend.store.tier import Payload, check_key
 
 logger = logging.getLogger("kvbackend.store")
 
-__all__ = ["FORMAT_DIR", "IDENTITY_FILE", "DiskTier"]
+__all__ = ["FORMAT_DIR", "IDENTITY_FILE", "DiskMode", "DiskTier"]
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _WHOLE_TIER = "*"  # the backoff scope of a full filesystem
@@ -133,11 +105,20 @@ _RESCAN_DUTY = 10  # background rescans wait at least this many times their own 
 _T = TypeVar("_T")
 
 
+class DiskMode(StrEnum):
+    """What a disk tier does: read and write, only read, or nothing (misses everything).
+    A ``StrEnum``: equal to its value, and its value in ``stats()``."""
+
+    RW = "rw"
+    RO = "ro"
+    DISABLED = "disabled"
+
+
 class DiskTier:
     """LRU-bounded, checksummed block files under ``<directory>/v2/<identity digest>``.
 
-    ``mode`` is "rw", "ro" (serves reads, refuses puts) or "disabled" (misses
-    everything). ``block_nbytes``: the payload size of every block of this
+    ``mode`` (a ``DiskMode``) is RW, RO (serves reads, refuses puts) or DISABLED
+    (misses everything). ``block_nbytes``: the payload size of every block of this
     identity (puts of another size raise; files announcing another are misses
     before any allocation); without it a payload may be as large as the bound.
     Complexity: ``put``/``get``/``get_into`` O(payload) I/O plus O(1) index work;
@@ -191,23 +172,23 @@ class DiskTier:
         for level, allow_link in ((self.directory, True), (self.base, False),
                                   (os.path.dirname(self.base), False)):
             self.policy.check(os.fspath(level), allow_link=allow_link)
-        self.mode = "ro" if read_only or probe_only else self._open_for_writing()
+        self.mode = DiskMode.RO if read_only or probe_only else self._open_for_writing()
         self._bound = max_bytes
         self._declaration = None
-        if self.mode == "rw":
+        if self.mode is DiskMode.RW:
             self._declaration = BoundDeclaration(self.base, max_bytes, ttl_s=bound_ttl_s,
                                                  policy=self.policy)
-        if self.mode != "disabled" and not probe_only:
+        if self.mode is not DiskMode.DISABLED and not probe_only:
             self.rescan()
         stop = threading.Event()
-        if self.mode == "rw" and rescan_interval_s is not None:
+        if self.mode is DiskMode.RW and rescan_interval_s is not None:
             threading.Thread(target=_rescan_loop, args=(weakref.ref(self), stop,
                                                         rescan_interval_s),
                              name="kvbackend-disk-rescan", daemon=True).start()
         self._finalizer = weakref.finalize(self, _release, stop, self._declaration)
 
     # ----------------------------------------------------------------- set-up
-    def _open_for_writing(self) -> str:
+    def _open_for_writing(self) -> DiskMode:
         try:
             make_dirs(self.base, self.policy, durable=self.durable)
             for level in (os.path.dirname(self.base), self.base):
@@ -218,14 +199,14 @@ class DiskTier:
                                  self.policy.file_mode, dir_fd=fd))
                 os.unlink(probe, dir_fd=fd)
             self._write_identity_file()
-            return "rw"
+            return DiskMode.RW
         except OSError as e:
             if e.errno in _FULL_ERRNOS and os.path.isdir(self.base):
                 self._write_failed(e, _WHOLE_TIER, 0)
-                return "rw"  # full now; retried after the backoff
-            mode = "ro" if os.path.isdir(self.base) else "disabled"
+                return DiskMode.RW  # full now; retried after the backoff
+            mode = DiskMode.RO if os.path.isdir(self.base) else DiskMode.DISABLED
             self._warn_once("open", "kvbackend disk tier: cannot write to %s (%s); tier is %s",
-                            self.base, e, "read-only" if mode == "ro" else "disabled")
+                            self.base, e, "read-only" if mode is DiskMode.RO else "disabled")
             return mode
 
     def _write_identity_file(self) -> None:
@@ -250,7 +231,7 @@ class DiskTier:
         """Rebuild the index from the files on disk (LRU order by mtime), remove stale
         temp files, renew this writer's bound declaration and evict down to the
         directory's bound (if writable). O(#files); no-op for a probe-only tier."""
-        if self._index is None or self.mode == "disabled":
+        if self._index is None or self.mode is DiskMode.DISABLED:
             return
         with self._rescan_lock:
             if self._declaration is not None:
@@ -263,7 +244,7 @@ class DiskTier:
                 for entry in block_files(self.base):
                     if not entry.is_temp:
                         found.append((entry.mtime_ns, entry.key, entry.size))
-                    elif self.mode == "rw" and entry.mtime_ns < stale_ns:
+                    elif self.mode is DiskMode.RW and entry.mtime_ns < stale_ns:
                         entry.remove()
             finally:
                 found.sort()
@@ -319,7 +300,7 @@ class DiskTier:
         self._forget(key)
         self._warn_once("corrupt", "kvbackend disk tier: dropping bad block file %s: %s",
                         self._path(key), reason)
-        if self.mode != "rw":
+        if self.mode is not DiskMode.RW:
             return
         try:
             now = os.lstat(block_name(key), dir_fd=dir_fd)
@@ -346,7 +327,7 @@ class DiskTier:
                              f"got {view.nbytes}")
         size = HEADER_LEN + view.nbytes
         subdir = key[:2]
-        if (self.mode != "rw" or size > self.max_bytes
+        if (self.mode is not DiskMode.RW or size > self.max_bytes
                 or self._backoff.blocked(_WHOLE_TIER, subdir)):
             self._count("rejected")
             return False
@@ -422,7 +403,7 @@ class DiskTier:
         and, through the file's mtime, for other processes."""
         check_key(key)
         result = None
-        if self.mode != "disabled":
+        if self.mode is not DiskMode.DISABLED:
             try:
                 with self._subdir(key) as dir_fd:
                     result = self._read_in(key, dir_fd, reader)
@@ -451,7 +432,7 @@ class DiskTier:
                 return None
         if result is not None:
             self._learn(key, st.st_size)
-            if self.mode == "rw":
+            if self.mode is DiskMode.RW:
                 try:  # share recency with other processes and restarts
                     os.utime(block_name(key), dir_fd=dir_fd, follow_symlinks=False)
                 except OSError:
@@ -462,7 +443,7 @@ class DiskTier:
         """Whether a block file exists (one ``lstat``; ``get`` does the verification).
         A probe-only tier remembers nothing."""
         check_key(key)
-        if self.mode == "disabled":
+        if self.mode is DiskMode.DISABLED:
             return False
         try:
             st = os.lstat(self._path(key))
@@ -487,7 +468,7 @@ class DiskTier:
     def remove(self, key: str) -> bool:
         check_key(key)
         self._forget(key)
-        if self.mode != "rw":
+        if self.mode is not DiskMode.RW:
             return False
         try:
             with self._subdir(key) as fd:
@@ -501,7 +482,7 @@ class DiskTier:
 
         Returns the number of entries evicted. No-op unless the tier is writable.
         """
-        if self.mode != "rw" or self._index is None:
+        if self.mode is not DiskMode.RW or self._index is None:
             return 0
         victims = self._index.pop_lru(max_bytes)
         for key in victims:
@@ -531,9 +512,9 @@ class DiskTier:
         themselves are the truth and may differ (other processes write and evict)."""
         if self._index is not None:
             self._index.check_invariants()
-        if self.mode not in ("rw", "ro", "disabled"):
+        if not isinstance(self.mode, DiskMode):
             raise RuntimeError(f"DiskTier: unknown mode {self.mode!r}")
-        if self.probe_only and (self._index is not None or self.mode == "rw"):
+        if self.probe_only and (self._index is not None or self.mode is DiskMode.RW):
             raise RuntimeError(f"DiskTier: probe-only tier in mode {self.mode!r} with an index")
         with self._lock:
             negative = {k: v for k, v in self._counters.items() if v < 0}

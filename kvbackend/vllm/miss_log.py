@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbackend.core.miss_diagnosis import Admission, LostSpan, diagnose
-from kvbackend.core.radix_tree import RadixTree
+from kvbackend.core.miss_diagnosis import Admission, LostSpan
+from kvbackend.core.prefix_cache import PrefixCache
 from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 from kvbackend.vllm.config import open_for_append
 from kvbackend.vllm.namespace import namespace_bytes
@@ -71,11 +71,11 @@ def namespace_id(namespace: Hashable) -> str:
 
 
 class MissLog:
-    """Diagnoses each admitted request against ``tree`` and appends its record to ``path``."""
+    """Diagnoses each admitted request against ``cache`` and appends its record to ``path``."""
 
-    def __init__(self, path: str, tree: RadixTree, seen_capacity: int = SEEN_CAPACITY) -> None:
+    def __init__(self, path: str, cache: PrefixCache, seen_capacity: int = SEEN_CAPACITY) -> None:
         self.path = path
-        self.tree = tree
+        self.cache = cache
         self.seen = SeenPrefixes(seen_capacity)
         self._fd: int | None = open_for_append(path)
         self._requests: dict[str, _Request] = {}
@@ -87,11 +87,12 @@ class MissLog:
         if self._fd is None:
             return
         try:
-            longest = self.tree.match(prompt[: admission.limit], namespace, touch=False)
+            longest = self.cache.match(prompt, namespace, max_tokens=admission.limit,
+                                       touch=False)
             if longest.num_partial_tokens and longest.partial_block_id in written_blocks:
                 admission = replace(admission, same_step_cut=True)
             state = self._state(request_id, namespace)
-            spans = diagnose(self.tree, self.seen, state.digests, prompt, namespace, admission)
+            spans = self.cache.diagnose_miss(self.seen, state.digests, prompt, namespace, admission)
             state.pending = (len(prompt), admission, spans)
         except Exception:  # noqa: BLE001 - diagnostics must never fail the scheduler
             self._stop("diagnosing a request failed")
@@ -148,7 +149,7 @@ class MissLog:
     def _state(self, request_id: str, namespace: Hashable) -> _Request:
         state = self._requests.get(request_id)
         if state is None:
-            digests = PrefixDigests(namespace, self.tree.block_size)
+            digests = PrefixDigests(namespace, self.cache.block_size)
             state = self._requests[request_id] = _Request(digests,
                                                           namespace_id=namespace_id(namespace))
         return state

@@ -84,6 +84,14 @@ def test_v1_round_trip(tmp_path):
         assert torch.equal(pool.get_data_page((8 + i) * PAGE), want[i])
 
 
+def test_a_target_of_another_size_misses_and_keeps_the_page(tmp_path):
+    pool = host_pool()
+    backend = make_backend(tmp_path, pool)
+    (page,) = store(backend, pool, KEYS[:1])
+    assert backend.get(KEYS[0], torch.empty(page.numel() - 1, dtype=page.dtype)) is None
+    assert torch.equal(load(backend, pool, KEYS[:1])[0], page)
+
+
 def test_corrupted_file_is_a_miss_and_removed(tmp_path):
     pool = host_pool()
     backend = make_backend(tmp_path, pool)
