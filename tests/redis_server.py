@@ -6,9 +6,16 @@ import os
 
 import pytest
 
-from kvbackend.testing.redis_server import BINARY_ENV, server_binaries
+from kvbackend.testing.redis_server import BINARY_ENV, RedisServer, server_binaries
 
 REQUIRE_ENV = "KVBACKEND_REQUIRE_REDIS"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for a test module (import this fixture into it)."""
+    with RedisServer(require_binary(), tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 def require_binary() -> str:

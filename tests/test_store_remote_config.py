@@ -41,3 +41,34 @@ def test_a_key_file_needs_a_url_and_must_be_private(tmp_path):
     os.chmod(key_file, 0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         KVBackendConfig(remote_cache_url="redis://h", remote_cache_key_file=str(key_file))
+
+
+def password_file(tmp_path, text: bytes = b"s3cret\n", mode: int = 0o600) -> str:
+    path = tmp_path / "redis.password"
+    path.write_bytes(text)
+    os.chmod(path, mode)
+    return str(path)
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: dict(remote_cache_password_file=str(p / "missing")), "cannot read password file"),
+    (lambda p: dict(remote_cache_password_file=password_file(p, mode=0o644)), "chmod 600"),
+    (lambda p: dict(remote_cache_password_file=password_file(p, b"\n")), "is empty"),
+    (lambda p: dict(remote_cache_password_file=password_file(p, b"\xff\xfe")), "not UTF-8"),
+    (lambda p: dict(remote_cache_password_file=password_file(p),
+                    remote_cache_url="redis://:hunter2@h:6379"), "give one of them"),
+])
+def test_a_bad_password_file_is_refused_without_showing_a_password(tmp_path, setup, message):
+    config = dict(remote_cache_url="redis://h:6379") | setup(tmp_path)
+    with pytest.raises(ValueError, match=message) as error:
+        KVBackendConfig(**config)
+    assert "s3cret" not in str(error.value) and "hunter2" not in str(error.value)
+
+
+def test_a_password_file_needs_a_url_and_reaches_the_connector(tmp_path):
+    path = password_file(tmp_path, b"pa ss\n")
+    with pytest.raises(ValueError, match="remote_cache_password_file needs remote_cache_url"):
+        KVBackendConfig(remote_cache_password_file=path)
+    kwargs = engine_kwargs(remote_cache_url="redis://u@h/0", remote_cache_password_file=path)
+    extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert KVBackendConfig.from_dict(extra).remote_password() == "pa ss"

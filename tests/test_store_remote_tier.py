@@ -4,6 +4,7 @@ stops, pauses or restarts mid-run. The server is started by the tests (tests/red
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 
@@ -14,6 +15,7 @@ from kvbackend.store.block_file import HEADER_LEN, encode_header
 from kvbackend.store.block_key import compute_block_keys
 from kvbackend.store.remote_tier import RemoteTier
 from kvbackend.testing.redis_server import RedisServer, server_binaries, supports_tls
+from kvbackend.vllm.config import KVBackendConfig
 from tests.redis_server import require_binary
 from tests.store_helpers import key_of, make_identity, payload_for
 
@@ -300,3 +302,16 @@ def test_every_server_found_speaks_the_protocol(tmp_path, binary):
             payload_for(key_of(0), BLOCK), payload_for(key_of(1), BLOCK)]
         server.client().set(tier.redis_key(key_of(0)), b"junk")
         assert tier.get_many([key_of(0)]) == [None] and tier.contains_many([key_of(0)]) == 0
+
+
+def test_a_password_from_a_file(tmp_path):
+    (tmp_path / "pw").write_text("pa ss\n")
+    os.chmod(tmp_path / "pw", 0o600)
+    with RedisServer(require_binary(), tmp_path / "server", password="pa ss") as server:
+        config = KVBackendConfig(remote_cache_url=f"redis://127.0.0.1:{server.port}/0",
+                                 remote_cache_password_file=str(tmp_path / "pw"))
+        tier = RemoteTier(config.remote_cache_url, ID, password=config.remote_password(),
+                          timeout_s=5)
+        assert tier.put_many(blocks(1)) == 1 and tier.get_many([key_of(0)])[0] is not None
+        without = RemoteTier(config.remote_cache_url, ID, timeout_s=5)
+        assert without.get_many([key_of(0)]) == [None]  # NOAUTH: a miss

@@ -14,17 +14,11 @@ from hypothesis.stateful import (
 from kvbackend.store.remote_tier import RemoteTier
 from kvbackend.store.remote_writer import RemoteWriter
 from kvbackend.testing.redis_server import RedisServer
-from tests.redis_server import require_binary
+from tests.redis_server import require_binary, server  # noqa: F401 - a fixture
 from tests.store_helpers import key_of, make_identity, payload_for
 
 ID = make_identity()
 BLOCK = 4096
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with RedisServer(require_binary(), tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 def batch(first: int, n: int, salt: str = ""):

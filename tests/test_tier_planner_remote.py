@@ -77,3 +77,35 @@ def test_after_a_reset_the_remote_tier_is_off():
     orders = p.plan_step([ScheduledRequest("r", 0, len(TOKENS), range(1, 12))])
     assert orders.disk_off and not any(o.to_remote for o in orders.saves)
     p.check_invariants()
+
+
+def test_a_remote_hit_loads_asynchronously_and_is_not_promoted():
+    remote = Remote(KEYS[2:8])
+    p = planner(remote, on_disk=KEYS[:2] + KEYS[20:])
+    assert admit(p, "r") == 8 * BS and p.loads_async("r")
+    assert admit(p, "d", tokens=TOKENS[:2 * BS + 1], block_ids=range(20, 23)) == 2 * BS
+    assert not p.loads_async("d")  # host and disk hits stay synchronous
+    orders = p.plan_step([])
+    assert orders.async_loads == ("r",)  # vLLM parks it until the workers report it
+    promoted = {o.key for o in orders.loads if o.promote}
+    assert promoted == set(KEYS[:2])  # a remote block arrives steps later: not in the mirror
+    assert not any(p.host.holds(k) for k in KEYS[2:8])
+    p.check_invariants()
+    assert p.plan_step([]).async_loads == ()  # listed once
+
+
+def test_a_remote_hit_adopted_wrongly_is_still_reported_as_an_async_load():
+    p = planner(Remote(KEYS[:3]))
+    assert p.lookup("r", TOKENS, b"", 0) == 3 * BS and p.loads_async("r")
+    p.allocated("r", list(range(1, 12)), 5 * BS)  # more than offered: a bug, failed loads
+    orders = p.plan_step([])
+    assert orders.async_loads == ("r",) and set(orders.failed) == set(range(1, 12))
+    p.check_invariants()
+
+
+def test_an_unadopted_remote_hit_is_no_async_load():
+    p = planner(Remote(KEYS))
+    assert p.lookup("r", TOKENS, b"", 0) > 0
+    p.allocated("r", list(range(1, 12)), 0)  # vLLM took none of it (e.g. a local hit won)
+    assert p.plan_step([]).async_loads == ()
+    p.check_invariants()

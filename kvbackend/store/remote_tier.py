@@ -65,14 +65,14 @@ from redis.retry import Retry
 from kvbackend.store.block_file import (
     FORMAT_VERSION, HEADER_LEN, CorruptBlock, as_byte_view, encode_header, verify_buffer,
 )
-from kvbackend.store.checksum_key import keyed_identity
+from kvbackend.store.checksum_key import keyed_identity, read_private_file
 from kvbackend.store.circuit_breaker import CircuitBreaker
 from kvbackend.store.identity import CacheIdentity
 from kvbackend.store.tier import Payload, check_key
 
 logger = logging.getLogger("kvbackend.store")
 
-__all__ = ["RemoteTier", "redacted_url"]
+__all__ = ["RemoteTier", "read_password_file", "redacted_url"]
 
 MAX_VALUE_BYTES = 512 << 20  # Redis' default proto-max-bulk-len
 _MAX_PAYLOAD = MAX_VALUE_BYTES - HEADER_LEN
@@ -89,6 +89,21 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def read_password_file(path: str) -> str:
+    """The server's password from ``path``: a private file (mode 0600 or 0400, see
+    ``read_private_file``), UTF-8, one trailing newline ignored. ``ValueError`` (naming
+    the file, never its content) for a missing, shared, empty or undecodable one."""
+    try:
+        password = read_private_file(path, "password file").decode()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"password file {path} is not UTF-8: cannot decode byte "
+                         f"{e.start}") from None
+    password = password.removesuffix("\n").removesuffix("\r")
+    if not password:
+        raise ValueError(f"password file {path} is empty")
+    return password
+
+
 class RemoteTier:
     """KV blocks of one ``identity`` in the Redis or Valkey server at ``url``.
 
@@ -96,8 +111,8 @@ class RemoteTier:
     TLS, or ``unix:///path/to/socket``; nothing connects until the first call.
     ``block_nbytes``: the payload size of every block of this identity (puts of
     another size raise; values announcing another are misses); without it a
-    value may be as large as the server takes (``MAX_VALUE_BYTES``). ``clock``:
-    the circuit breakers' (tests).
+    value may be as large as the server takes (``MAX_VALUE_BYTES``). ``password``:
+    the server's, when the URL holds none. ``clock``: the circuit breakers' (tests).
     """
 
     def __init__(
@@ -107,6 +122,7 @@ class RemoteTier:
         *,
         checksum_key: bytes | None = None,
         block_nbytes: int | None = None,
+        password: str | None = None,
         timeout_s: float = 0.5,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
@@ -129,17 +145,18 @@ class RemoteTier:
         breaker_clock = {} if clock is None else {"clock": clock}
         self._server = CircuitBreaker(backoff_s, max_backoff_s, **breaker_clock)
         self._writes = CircuitBreaker(backoff_s, max_backoff_s, **breaker_clock)
-        self._client = self._connect(url, timeout_s)
+        self._client = self._connect(url, timeout_s, password)
         self._lock = threading.Lock()  # counters and warnings
         self._warned: set[str] = set()
         self._counters = dict(hits=0, misses=0, puts=0, put_failures=0, corrupt=0,
                               failures=0, skipped=0, bytes_loaded=0, bytes_stored=0)
 
     @staticmethod
-    def _connect(url: str, timeout_s: float) -> redis.Redis:
+    def _connect(url: str, timeout_s: float, password: str | None) -> redis.Redis:
         try:
             return redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                url, password=password, socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 0), health_check_interval=0, protocol=2,
                 driver_info=None)
         except ValueError as e:

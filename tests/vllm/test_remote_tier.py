@@ -5,6 +5,9 @@ against one server that the test starts:
   A  computes a long document (and writes its blocks through to the server);
   B  a fresh engine with cold device, host and disk: reuses >= 90% of the document from
      the server; greedy outputs identical to vLLM without any cache;
+  P  the server paused (SIGSTOP) the moment a load reaches it: the loading request waits
+     while another one runs to completion (remote loads are asynchronous); once the server
+     resumes the load lands; outputs identical;
   C  every value in the server garbled: each is a miss, deleted and recomputed; then the
      server is stopped midway and restarted (empty): no request fails, outputs identical;
   D  another model (same config, other weights): finds nothing of A's.
@@ -13,6 +16,7 @@ against one server that the test starts:
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from vllm import SamplingParams
@@ -20,6 +24,7 @@ from vllm import SamplingParams
 from kvbackend.testing.redis_server import RedisServer
 from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm import engine_kwargs
+from tests.redis_proxy import PausingProxy
 from tests.redis_server import require_binary
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
 
@@ -80,6 +85,40 @@ def test_a_second_engine_reuses_the_document(engine_a, tiny_model, server, promp
         shutdown(llm)
     assert texts(outs) == reference[1:2]
     assert outs[0].num_cached_tokens >= 0.9 * len(DOCUMENT)
+
+
+def test_a_server_paused_mid_load_stalls_no_other_request(engine_a, tiny_model, server,
+                                                         prompts, reference):
+    long_greedy = SamplingParams(temperature=0, max_tokens=40)
+    raw = server.client()
+    before = set(raw.scan_iter("kvb:*"))
+    with PausingProxy(server, b"GETRANGE") as proxy:
+        # a 60 s socket timeout: a load that blocked the step loop would show as a 60 s step
+        llm = remote_engine(tiny_model, proxy.url + "?socket_timeout=60")
+        engine, finished, steps = llm.llm_engine, {}, []
+        try:
+            engine.add_request("other", {"prompt_token_ids": OTHERS[0]}, long_greedy)
+            while not any(o.outputs[0].token_ids for o in engine.step()):
+                pass  # "other" is decoding: its lookup is done
+            engine.add_request("doc", {"prompt_token_ids": prompts[0]}, GREEDY)
+            while "other" not in finished:  # the server stops at doc's load, in the first step
+                start = time.monotonic()
+                finished.update((o.request_id, o) for o in engine.step() if o.finished)
+                steps.append(time.monotonic() - start)
+            assert proxy.paused.is_set() and "doc" not in finished  # its load still waits
+            server.resume()
+            while engine.has_unfinished_requests():
+                finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        finally:
+            server.resume()
+            shutdown(llm)
+    added = set(raw.scan_iter("kvb:*")) - before  # "other"'s blocks: the server as A left it
+    if added:
+        raw.delete(*added)
+    assert max(steps) < 10, steps
+    assert texts([finished["doc"]]) == reference[:1]
+    assert texts([finished["other"]])[0][:GREEDY.max_tokens] == reference[3]
+    assert finished["doc"].num_cached_tokens >= 0.9 * len(DOCUMENT)
 
 
 def test_garbled_values_and_a_server_that_goes_away_fail_no_request(
