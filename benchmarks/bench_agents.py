@@ -186,10 +186,13 @@ def run_config(name: str, model: str, args) -> dict:
     config = {"host_cache_gb": args.host_gb} if host else {}
     if mode == "kvbackend" and args.max_retained_fraction is not None:
         config["max_retained_fraction"] = args.max_retained_fraction
+    if mode == "kvbackend" and args.explain_misses:
+        config["explain_misses"] = os.path.join(args.explain_misses, f"{name}.jsonl")
     llm = engine(model, mode, args.device_tokens, **config)
     try:
         system, agents = workload(args)
-        warm = words(random.Random(-1), 200)  # shares no prefix with the agents (seeded apart)
+        # Shares no prefix with the workload (Random(-1) was Random(1): the first chat's).
+        warm = words(random.Random("warm-up"), 200)
         llm.generate([{"prompt_token_ids": warm}], use_tqdm=False)
         t = time.perf_counter()
         loop = AgentLoop(llm.llm_engine, system, agents, args, retain)
@@ -273,6 +276,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="kvbackend's bound on retained blocks (None: kvbackend's default)")
     add("--retain-margin", type=float, default=2.0,
         help="kv_retain_s = tool steps x mean step time so far x this")
+    add("--explain-misses", metavar="DIR",
+        help="kvbackend configurations write explain_misses records to DIR/CONFIG.jsonl")
     add("--configs", default=",".join(CONFIGS), help="comma-separated, run in this order")
     add("--seed", type=int, default=0)
     add("--json", metavar="PATH", help="also write the results as JSON (for report.py)")

@@ -93,3 +93,45 @@ def test_a_block_promoted_in_this_step_is_a_disk_hit_for_the_next_admission(tmp_
     assert torch.equal(cache[2], cache[0]) and torch.equal(cache[4], cache[0])
     assert planner.host.keys() == host.keys_lru()
     planner.check_invariants()
+
+
+def test_a_retained_context_outlasts_ordinary_traffic_in_the_host_tier_until_its_time():
+    """``kv_retain_s`` reaches the host tier: an agent's context, retained when its turn
+    ends, stays in every worker's host tier while one-shot requests that did not ask for
+    retention churn through it, and its resumed turn loads it from there. Once the
+    retention's time is up it is the first to leave (issue 14)."""
+    now = [0.0]
+    cache = torch.zeros(16, ROW, dtype=torch.uint8)
+    host = HostTier(4 * ROW)
+    worker = TierWorker(BlockMover([cache], 0, ROW, BS, host, None))
+    planner = TierPlanner(BS, DIGEST, 4, None, max_retained=2, clock=lambda: now[0])
+
+    def turn(rid, tokens, retain_s=0.0):
+        """Admit, compute and finish ``rid``; returns its host hit in tokens."""
+        block_ids = list(range(len(tokens) // BS + 1))
+        hit = planner.lookup(rid, tokens, b"", 0)
+        planner.allocated(rid, block_ids, hit)
+        orders = planner.plan_step([ScheduledRequest(rid, hit, len(tokens) - hit, block_ids)])
+        worker.start_step(orders)
+        for i in range(hit // BS, len(tokens) // BS):
+            cache[block_ids[i]] = tokens[i * BS] % 250 + 1  # this block's KV
+        worker.finish_step(orders)
+        planner.step_finished(worker.take_load_errors())
+        planner.request_finished(rid, retain_s)
+        planner.check_invariants()
+        assert set(planner.host.keys()) == set(host.keys_lru())
+        return hit
+
+    agent = list(range(3, 3 + 2 * BS + 1))  # two full blocks
+    chats = [list(range(100 + 20 * c, 100 + 20 * c + 2 * BS + 1)) for c in range(4)]
+    assert turn("agent-turn0", agent, retain_s=10.0) == 0
+    for c in range(3):  # six ordinary blocks through a four-block host tier
+        turn(f"chat{c}", chats[c])
+    now[0] = 9.0
+    resumed = agent + list(range(60, 60 + BS))
+    cache.zero_()
+    assert turn("agent-turn1", resumed, retain_s=10.0) == 2 * BS, "the context left the host"
+    assert torch.equal(cache[0], torch.full((ROW,), 4, dtype=torch.uint8))
+    now[0] = 19.0 + 0.5  # the second retention's time is up: first to go
+    turn("chat3", chats[3])
+    assert turn("agent-turn2", resumed, retain_s=0) == 0, "an expired retention stayed"

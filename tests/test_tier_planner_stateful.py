@@ -3,8 +3,9 @@
 The planner (``kvbackend.vllm.tiers.planner``) is driven the way vLLM's
 scheduler drives the connector: admissions (lookup, allocation), chunked
 prefill and decode steps, preemption, aborts, failure reports and
-``reset_prefix_cache(reset_connector=True)``. The two ranks are real: each has
-a KV tensor, a ``HostTier``, a ``DiskTier`` in a temporary directory and a
+``reset_prefix_cache(reset_connector=True)``; finished requests now and then
+ask ``kv_retain_s`` (a step is a second of the retention clock). The two ranks
+are real: each has a KV tensor, a ``HostTier``, a ``DiskTier`` in a temporary directory and a
 ``TierWorker`` with a ``BlockMover`` that carries out the planner's orders.
 
 The model of the forward pass: a full block of rank ``r`` holds
@@ -113,8 +114,10 @@ class TierPlannerMachine(RuleBasedStateMachine):
         self.ranks = [Rank(r, self.root) for r in range(IDENTITY.tp_size)]
         probes = [DiskTier(self.root, 1 << 30, replace(IDENTITY, tp_rank=r), read_only=True,
                            rescan_interval_s=None) for r in range(IDENTITY.tp_size)]
+        self.now = 0.0  # the retention clock: one second per step
         self.planner = TierPlanner(BS, IDENTITY.digest(), HOST_BLOCKS,
-                                   lambda key: all(p.contains(key) for p in probes))
+                                   lambda key: all(p.contains(key) for p in probes),
+                                   max_retained=HOST_BLOCKS - 2, clock=lambda: self.now)
         self.free = list(range(NUM_BLOCKS))
         self.requests: dict[str, SimRequest] = {}
         self.count = 0
@@ -133,10 +136,11 @@ class TierPlannerMachine(RuleBasedStateMachine):
         self.free.extend(request.block_ids)
         request.block_ids, request.running, request.num_computed = [], False, 0
 
-    def finish(self, request: SimRequest) -> None:
+    def finish(self, request: SimRequest, data) -> None:
         self.release(request)
         del self.requests[request.request_id]
-        self.planner.request_finished(request.request_id)
+        retain_s = data.draw(st.sampled_from([0, 0, 2, 6]), label="kv_retain_s")
+        self.planner.request_finished(request.request_id, retain_s)
 
     def admit(self, request: SimRequest, device_hit: int, data) -> bool:
         """vLLM's admission: lookup, allocation (may fail), ``allocated``."""
@@ -201,6 +205,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
         if running and data.draw(st.booleans(), label="preempt"):
             self.release(self.requests[data.draw(st.sampled_from(running), label="victim")])
         self.steps_since_reset += 1
+        self.now += 1
         waiting = sorted(r for r, q in self.requests.items() if not q.running)
         for rid in data.draw(st.lists(st.sampled_from(waiting), unique=True, max_size=2)
                              if waiting else st.just([]), label="admitted"):
@@ -240,7 +245,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
                 request.num_computed = bad[0] * BS
             elif request.num_computed == len(request.tokens):
                 if len(request.tokens) == request.target:
-                    self.finish(request)
+                    self.finish(request, data)
                 else:
                     request.tokens.append(3 + len(request.tokens) % 50)
 
@@ -248,7 +253,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data) -> None:
         rid = data.draw(st.sampled_from(sorted(self.requests)), label="aborted")
-        self.finish(self.requests[rid])
+        self.finish(self.requests[rid], data)
 
     def damage_disk_file(self, rank: int, pick: int, rot: bool) -> None:
         """Another process evicts a file (or it rots) on one rank only."""

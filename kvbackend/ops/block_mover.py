@@ -32,6 +32,8 @@ class BlockMover:
     * ``load_payloads``: blocks another tier handed over in memory (the remote
       tier's verified values) are copied into a row (kept in host if promoted) and
       scattered.
+    * ``prefetch``: disk blocks are read (and verified) into fresh arrays the host
+      tier keeps, touching no cache block.
     * ``save``: a block is gathered straight into the array the host tier keeps
       (or into a staging row when it goes to disk only) and written from there;
       ``gather`` copies a block into a fresh row (for the remote tier's writer).
@@ -90,6 +92,19 @@ class BlockMover:
             if keep:
                 self.host.put(key, row, self.block_size)
             self._scatter(row, block_id)
+
+    def prefetch(self, keys: list[str]) -> int:
+        """Read each key the host tier lacks from disk into it (verified; a block that
+        misses or fails its check is skipped). Returns the blocks it put. O(read bytes)."""
+        if self.host is None or self.disk is None:
+            return 0
+        put = 0
+        for key in keys:
+            if not self.host.contains(key):
+                row = self._new_row()
+                if self.disk.get_into(key, row) is not None:
+                    put += self.host.put(key, row, self.block_size)
+        return put
 
     def gather(self, block_id: int) -> np.ndarray:
         """A fresh host copy of block ``block_id`` of every layer."""

@@ -85,11 +85,11 @@ def test_payload_survives_vllms_engine_to_frontend_encoding():
 def test_unknown_name_or_tier_breaks_the_invariants():
     stats = KVBackendStats()
     stats.count("hit_tokens", "gpu", 1)
-    with pytest.raises(AssertionError, match="tiers"):
+    with pytest.raises(RuntimeError, match="tiers"):
         stats.check_invariants()
     stats = KVBackendStats()
     stats.count("hits", "device", 1)
-    with pytest.raises(AssertionError, match="unknown counters name 'hits'"):
+    with pytest.raises(RuntimeError, match="unknown counters name 'hits'"):
         stats.check_invariants()
 
 

@@ -190,7 +190,7 @@ def test_engine_kwargs_select_the_tier_connector_only_with_a_tier():
     from vllm.config import KVTransferConfig
 
     from kvbackend.vllm import KVBackendConfig
-    from kvbackend.vllm.scheduler import is_tier_connector
+    from kvbackend.vllm.connectors import is_tier_connector
 
     assert "kv_transfer_config" not in engine_kwargs()
     kv = engine_kwargs(host_cache_gb=2, disk_cache_dir="/tmp/x", disk_cache_gb=0.5)

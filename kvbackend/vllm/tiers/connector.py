@@ -6,19 +6,26 @@ remote_cache_url=...)`` (or the same keys in ``--kv-backend-config``), which set
 class only adapts vLLM's calls to the part of its role:
 
   SCHEDULER (engine-core process): ``TierPlanner`` decides everything.
-    ``get_num_new_matched_tokens`` -> ``lookup`` (synchronous loads; prompts with
-    multimodal inputs or embeddings are never looked up: token ids do not name
+    ``prefetch`` (called by ``KVBackendScheduler.add_request``) -> ``prefetch``:
+    a waiting request's disk blocks are read into host memory after the next step,
+    ``get_num_new_matched_tokens`` -> ``lookup`` (host and disk hits load
+    synchronously, a hit with remote blocks asynchronously: ``loads_async``; prompts
+    with multimodal inputs or embeddings are never looked up: token ids do not name
     their KV), ``update_state_after_alloc`` -> ``allocated``,
     ``get_external_cache_hit_sources`` -> vLLM's ``CacheHitSource`` per tier,
     ``build_connector_meta`` -> ``plan_step`` (the orders travel as ``TierMetadata``),
     ``update_connector_output`` -> ``step_finished`` (``kv_load_failure_policy``
     is "recompute"; the manager publishes loaded tokens only once they are known
-    good), ``request_finished``, and ``reset_cache`` -> ``reset``.
+    good), ``request_finished`` (with the request's ``kv_retain_s``: the host tier
+    keeps its context behind ordinary blocks, at most ``max_retained_fraction`` of
+    it), and ``reset_cache`` -> ``reset``.
     ``get_kv_connector_stats``: hit tokens per tier, the device's occupancy and
     pinned blocks (read from the bound ``KVBackendManager``), when they changed.
   WORKER (each worker process): ``TierWorker`` carries out the orders:
     ``start_load_kv`` (before the forward pass when the step loads) ->
     ``start_step``, ``wait_for_save`` (after it) -> ``finish_step``,
+    ``get_finished`` -> ``take_finished_loads`` (the requests whose asynchronous
+    loads are done; vLLM's WAITING_FOR_REMOTE_KVS ends with that report),
     ``get_block_ids_with_load_errors`` -> ``take_load_errors``,
     ``get_kv_connector_stats`` -> ``take_stats``.
 
@@ -28,8 +35,10 @@ Stats: ``kvbackend.vllm.tiers.metrics`` (``build_kv_connector_stats``,
 Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
 disk tier separates TP ranks by directory and header, the remote tier by key
 prefix and header, and a disk or remote hit needs the block on every rank.
-Remote loads are synchronous, in one round trip per step, at most
-``REMOTE_STEP_BYTES`` per step (the planner's ``remote_step_blocks``); remote
+Remote loads are asynchronous: the request waits while the worker's reader thread
+fetches its blocks (one round trip per request, at most ``REMOTE_STEP_BYTES``
+admitted per step: the planner's ``remote_step_blocks``) and the other requests'
+steps go on; a block that misses or fails its check is recomputed. Remote
 saves leave the step at once (``RemoteWriter``, at most ``REMOTE_QUEUE_BYTES``
 queued per worker). A cache directory other users could write to stops the
 engine at start (``UnsafeCacheDirectory``); after that, best effort throughout:
@@ -49,12 +58,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import MEDIUM_CPU
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvbackend.vllm.config import TIER_KEYS, KVBackendConfig
+from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, TIER_KEYS, KVBackendConfig
+from kvbackend.vllm.request_options import request_options
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, StepOrders
 from kvbackend.vllm.tiers.metrics import KVBackendPromMetrics, KVBackendStats
 
@@ -75,6 +86,7 @@ logger = logging.getLogger("kvbackend.tiers")
 
 _GIB = 1 << 30
 REMOTE_STEP_BYTES = 256 << 20  # remote loads per step: ~0.5 s at this box's 0.4-0.7 GB/s
+PREFETCH_STEP_BYTES = 64 << 20  # disk-to-host prefetches per step, read after its saves
 REMOTE_QUEUE_BYTES = 1 << 30  # remote saves waiting for the network, per worker
 HIT_SOURCES = {Source.HOST: CacheHitSource.HOST, Source.DISK: CacheHitSource.DISK,
                Source.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
@@ -134,6 +146,9 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         remotes = [self._remote_tier(replace(identity, tp_rank=rank))
                    for rank in range(identity.tp_size)] if self.settings.remote_cache_url else []
         capacity = self.host_bytes // self.block_nbytes if self.block_nbytes else 0
+        backend = (self._vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        retained_fraction = backend.get("max_retained_fraction",
+                                        KVBackendConfig.max_retained_fraction)
         logger.info("kvbackend tiers: host %.2f GiB (%d blocks of %d bytes), disk %s, remote %s; "
                     "identity %s", self.settings.host_cache_gb, capacity, self.block_nbytes,
                     self.settings.disk_cache_dir or "off", remotes[0].url if remotes else "off",
@@ -141,7 +156,9 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         return TierPlanner(spec.block_size, identity.digest(), capacity,
                            (lambda key: all(d.contains(key) for d in disks)) if disks else None,
                            (lambda keys: _held_by_all(remotes, keys)) if remotes else None,
-                           max(1, REMOTE_STEP_BYTES // max(1, self.block_nbytes)))
+                           max(1, REMOTE_STEP_BYTES // max(1, self.block_nbytes)),
+                           max_retained=int(capacity * retained_fraction),
+                           prefetch_step_blocks=PREFETCH_STEP_BYTES // max(1, self.block_nbytes))
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""
@@ -149,10 +166,29 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
         return RemoteTier(self.settings.remote_cache_url, identity,
                           checksum_key=self.settings.remote_checksum_key(),
+                          password=self.settings.remote_password(),
                           block_nbytes=self.block_nbytes)
+
+    def prefetch(self, request: Request) -> None:
+        """On the request's arrival: have the workers read its disk blocks into their
+        host tiers (``TierPlanner.prefetch``, at most ``PREFETCH_STEP_BYTES`` a step).
+        O(new tokens) plus a stat per rank per disk block probed."""
+        from kvbackend.vllm.namespace import namespace_bytes, request_namespace
+
+        planner = self.planner
+        if planner is None or request.mm_features or request.prompt_embeds is not None:
+            return
+        try:
+            self._requests[request.request_id] = request
+            planner.prefetch(request.request_id, request.all_token_ids,
+                             namespace_bytes(request_namespace(request)))
+        except Exception:  # noqa: BLE001 - never fail the scheduler for a cache
+            logger.exception("kvbackend tiers: prefetch failed; the request loads from disk")
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The tokens host / disk / remote hold past the device hit (``TierPlanner.lookup``:
+        O(new tokens) plus O(1) per hit block and a stat per rank per disk hit)."""
         from kvbackend.vllm.namespace import namespace_bytes, request_namespace
 
         planner = self.planner
@@ -160,9 +196,10 @@ class KVBackendTierConnector(KVConnectorBase_V1):
             return 0, False
         try:
             self._requests[request.request_id] = request
-            return planner.lookup(request.request_id, request.all_token_ids,
-                                  namespace_bytes(request_namespace(request)),
-                                  num_computed_tokens), False
+            hit = planner.lookup(request.request_id, request.all_token_ids,
+                                 namespace_bytes(request_namespace(request)),
+                                 num_computed_tokens)
+            return hit, hit > 0 and planner.loads_async(request.request_id)
         except Exception:  # noqa: BLE001 - never fail the scheduler for a cache
             logger.exception("kvbackend tiers: lookup failed; treating as a miss")
             planner.request_finished(request.request_id)
@@ -170,6 +207,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        """Load orders for the adopted tier hit. O(adopted blocks)."""
         if self.planner is None:
             return
         (block_ids,) = blocks.get_block_ids()
@@ -187,6 +225,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Tokens per tier of the request's tier hit. O(1)."""
         if self.planner is not None:
             sources = self.planner.hit_sources(request.request_id, num_external_tokens)
             if sources:
@@ -194,6 +233,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The step's loads, saves and drops (``TierPlanner.plan_step``). O(scheduled
+        requests + blocks to consider), plus O(new tokens) to extend keys."""
         if self.planner is None:
             return TierMetadata()
         scheduled = []
@@ -205,13 +246,33 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                 scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens,
                                                   num_tokens, block_ids[0]))
         try:
-            return TierMetadata(self.planner.plan_step(scheduled))
+            orders = self.planner.plan_step(scheduled)
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: planning saves failed; the host tier starts over")
             self.planner.forget_host()
-            return TierMetadata(self.planner.plan_step(()))
+            orders = self.planner.plan_step(())
+        self._announce_host_changes(orders)
+        return TierMetadata(orders)
+
+    def _announce_host_changes(self, orders: StepOrders) -> None:
+        """KV events (``--kv-events-config``) for what the orders change in the workers'
+        host tiers, in the order they apply them: clear, drops, then puts."""
+        events = getattr(self._kv_cache_manager, "kv_events", None)  # bound: kvbackend's
+        if events is None:
+            return
+        if orders.clear_host:
+            events.tier_cleared(MEDIUM_CPU)
+        for key in orders.drops:
+            events.tier_removed(key)
+        for order in orders.loads:
+            if order.promote:
+                events.tier_stored(order.key, order.block_id, MEDIUM_CPU)
+        for order in orders.saves:
+            if order.to_host:
+                events.tier_stored(order.key, order.block_id, MEDIUM_CPU)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The step ran; its failed loads are known. O(loads of that step)."""
         if self.planner is not None:
             self.planner.step_finished(connector_output.invalid_block_ids or ())
 
@@ -234,9 +295,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         cache = getattr(manager, "cache", None)
         if cache is None:  # not kvbackend's manager (refused at start-up)
             return
-        pool = cache.pool
-        seen = (manager.hit_tokens, pool.num_usable_blocks - pool.num_free,
-                cache.num_pinned_blocks)
+        counts = cache.block_counts()
+        seen = (manager.hit_tokens, counts.usable - counts.free, cache.num_pinned_blocks)
         if seen == self._device_seen:
             return
         stats.count("hit_tokens", "device", seen[0] - self._device_seen[0])
@@ -244,7 +304,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         block_bytes = self.block_nbytes * self._vllm_config.parallel_config.tensor_parallel_size
         stats.set_gauge("used_bytes", "device", "scheduler", seen[1] * block_bytes)
         stats.set_gauge("capacity_bytes", "device", "scheduler",
-                        pool.num_usable_blocks * block_bytes)
+                        counts.usable * block_bytes)
         stats.set_gauge("pinned_blocks", "device", "scheduler", seen[2])
 
     @classmethod
@@ -260,13 +320,20 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                                     per_engine_labelvalues)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Forget the request; its blocks are freed at once (saves ran in its steps). O(1)."""
         self._requests.pop(request.request_id, None)
         if self.planner is not None:
-            self.planner.request_finished(request.request_id)
+            try:
+                retain_s = request_options(request).retain_s
+                self.planner.request_finished(request.request_id, retain_s)
+            except Exception:  # noqa: BLE001
+                logger.exception("kvbackend tiers: retaining request %s failed",
+                                 request.request_id)
         return False, None
 
     def reset_cache(self) -> bool | None:
-        """After a weight update: see ``TierPlanner.reset`` (host cleared, disk off)."""
+        """After a weight update: see ``TierPlanner.reset`` (host cleared, disk off).
+        O(host keys + requests)."""
         if self.planner is not None:
             if self.planner.disk_contains is not None:
                 logger.warning("kvbackend tiers: reset_prefix_cache(reset_connector=True): the "
@@ -296,6 +363,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
     def _make_mover(self, kv_caches: dict[str, torch.Tensor]) -> BlockMover:
         from kvbackend.ops import BlockMover, block_layout
         from kvbackend.store import HostTier
+        from kvbackend.store.disk_tier import DiskMode
         from kvbackend.vllm.tier_identity import tier_identity
         from kvbackend.vllm.tiers.worker import cache_layers
 
@@ -312,10 +380,10 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if self.settings.disk_cache_dir is not None:
             disk = self._disk_tier(tier_identity(self._vllm_config, config, tp_rank=rank),
                                    checksum_key=self.settings.disk_checksum_key())
-            if disk.mode != "rw":
+            if disk.mode is not DiskMode.RW:
                 logger.warning("kvbackend tiers: disk tier at %s is %s; the server keeps "
                                "serving without persisting KV blocks", self.settings.disk_cache_dir,
-                               "read-only" if disk.mode == "ro" else "disabled")
+                               "read-only" if disk.mode is DiskMode.RO else "disabled")
         return BlockMover(layers, block_dim, self.block_nbytes, group.kv_cache_spec.block_size,
                           host, disk)
 
@@ -330,23 +398,34 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                         shared_group=settings.disk_cache_shared_group, **options)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """The step's clears, drops and loads, before the forward pass. O(drops + loaded
+        bytes)."""
         orders = self._orders()
         if orders is not None:
             self.worker.start_step(orders)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are synchronous and complete before the forward pass
+        return None  # synchronous loads complete before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return None  # saves gather all layers at once in wait_for_save
 
     def wait_for_save(self) -> None:
+        """The step's saves, after the forward pass. O(saved bytes)."""
         orders = self._orders()
         if orders is not None:
             self.worker.finish_step(orders)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        try:
+            return None, self.worker.take_finished_loads() or None
+        except Exception:  # noqa: BLE001 - never fail the step for a cache
+            logger.exception("kvbackend tiers: collecting remote loads failed")
+            return None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call. O(1)."""
         return self.worker.take_load_errors()
 
     def shutdown(self) -> None:

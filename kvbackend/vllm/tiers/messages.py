@@ -50,7 +50,13 @@ class StepOrders(NamedTuple):
     before the forward pass: ``clear_host`` (empty the host tier), ``disk_off`` (stop
     reading and writing the disk and remote tiers for good), ``drops`` (keys to remove from the
     host tier), ``loads``, and ``failed`` (block ids to report as failed loads
-    without trying); after it: ``saves``.
+    without trying); after it: ``saves``, then ``prefetches`` (keys to read from disk
+    into the host tier, kept only if they verify: a waiting request's blocks, off the
+    forward pass). ``async_loads``: the requests whose loads
+    vLLM awaits asynchronously (those with a remote hit): their host and disk blocks
+    load with the others, their remaining blocks come from the remote tier in the
+    background, and each worker reports the request finished once they arrived
+    (or missed: failed loads, recomputed).
     """
 
     clear_host: bool = False
@@ -59,6 +65,8 @@ class StepOrders(NamedTuple):
     loads: tuple[LoadOrder, ...] = ()
     failed: tuple[int, ...] = ()
     saves: tuple[SaveOrder, ...] = ()
+    async_loads: tuple[str, ...] = ()
+    prefetches: tuple[str, ...] = ()
 
 
 class ScheduledRequest(NamedTuple):

@@ -144,17 +144,21 @@ class KVBackendStats(KVConnectorStats):
         return not any(self.data.get(section) for section in SECTIONS)
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant. O(values)."""
-        assert set(self.data) == set(SECTIONS), f"sections {sorted(self.data)}"
+        """Raise ``RuntimeError`` naming the first broken invariant (plain raises, so
+        ``python -O`` keeps them). O(values)."""
+        if set(self.data) != set(SECTIONS):
+            raise RuntimeError(f"sections {sorted(self.data)}")
         for section, known in zip(SECTIONS, (COUNTERS, HISTOGRAMS, GAUGES)):
             for name, by_tier in self.data[section].items():
-                assert name in known, f"unknown {section} name {name!r}"
-                assert set(by_tier) <= set(TIERS), f"{name}: tiers {sorted(by_tier)}"
+                if name not in known:
+                    raise RuntimeError(f"unknown {section} name {name!r}")
+                if not set(by_tier) <= set(TIERS):
+                    raise RuntimeError(f"{name}: tiers {sorted(by_tier)}")
                 for value in by_tier.values():
                     values = (value if section == "histograms" else
                               value.values() if section == "gauges" else [value])
-                    assert all(isinstance(v, int | float) and v >= 0 for v in values), (
-                        f"{name}: {value!r}")
+                    if not all(isinstance(v, int | float) and v >= 0 for v in values):
+                        raise RuntimeError(f"{name}: {value!r}")
 
 
 class KVBackendPromMetrics(KVConnectorPromMetrics):

@@ -9,6 +9,20 @@ Every full block of a request has a chained key (``kvbackend.store.block_key``)
 over its whole prefix, the request's namespace and ``key_digest`` (the cache
 identity). Calls, in vLLM's order within a step:
 
+  ``prefetch``          on a request's arrival, before it is scheduled: from its first
+                        block, past the keys the mirror has, the next run of keys every
+                        rank's disk holds, at most ``prefetch_step_blocks`` a step in
+                        all, is inserted into the mirror (evicting only unpinned,
+                        ordinary, not arriving keys, none of its own) and read from
+                        disk into the host tiers after the step's saves
+                        (``StepOrders.prefetches``). Blocks the device already holds
+                        are not known here: they may be prefetched too. A prefetch
+                        that fails on a rank leaves the mirror wrong: its later host hit
+                        misses there, the worker reads the disk instead, and a failed
+                        read is a failed load (recomputed, the key dropped by
+                        ``step_finished``). A prefetch not yet sent is dropped when its
+                        request finishes, when ``allocated`` adopts its key (the load
+                        promotes it) or when a later insert evicts it.
   ``lookup``            at admission: from the end of the device hit, the longest run
                         of keys the workers' host tiers hold (``HostMirror``, LRU; a
                         key an earlier admission of this step promotes is not there
@@ -16,12 +30,17 @@ identity). Calls, in vLLM's order within a step:
                         every rank (a stat each: other processes' blocks count),
                         continued by the keys the remote tier holds for every rank
                         (one round trip per rank, at most ``remote_step_blocks`` per
-                        step, less what this step's earlier admissions adopted: remote
-                        loads are synchronous, and this bounds the time they add to a
-                        step); capped at ``num_tokens - 1``. The host keys it lists are pinned until
-                        the loads have run.
-  ``allocated``         a load order per block vLLM adopted; a disk or remote block is
-                        promoted into the mirror when an unpinned slot can be made.
+                        step, less what this step's earlier admissions adopted: this
+                        bounds the bytes a step fetches); capped at ``num_tokens - 1``.
+                        A hit with remote blocks loads asynchronously (``loads_async``:
+                        vLLM parks the request until the workers report its blocks
+                        arrived). The host keys it lists are pinned until the loads
+                        have run.
+  ``allocated``         a load order per block vLLM adopted; a disk block is promoted
+                        into the mirror when an unpinned slot can be made (a remote
+                        block is not: it arrives steps later; its request's first
+                        saves put it in host memory). A request with remote blocks is
+                        listed in the step's ``async_loads``.
   ``plan_step``         a save order per block completed in this step, and per block of
                         a newly admitted request: to host unless the mirror has it (then
                         touched), to disk and to the remote tier for every block the
@@ -36,19 +55,26 @@ identity). Calls, in vLLM's order within a step:
                         vLLM recomputes from the first failed block of each request, and
                         that request's saves, deferred so far, carry the recomputed blocks.
                         A step that reports nothing succeeded.
-  ``request_finished``  forgets the request.
+  ``request_finished``  forgets the request; with ``retain_s`` (its ``kv_retain_s``) the
+                        host keys of its context stay behind every ordinary host key
+                        that long (``HostMirror.retain``, at most ``max_retained``
+                        keys; a retention ends at the first ``plan_step`` or
+                        ``request_finished`` after its time).
   ``reset``             after a weight update: a new key epoch, the host tiers cleared,
                         the disk and remote tiers off for the rest of the process.
 
 The planner assumes vLLM's synchronous scheduling (kvbackend refuses async
 scheduling): a step's orders have run, and its failures are reported, before the
-next step is planned.
+next step is planned. The exception is the remote blocks of ``async_loads``: their
+failures arrive with their request's finish report, steps later; no such block
+is in the mirror, so there is nothing to drop, and vLLM recomputes them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +114,7 @@ class _Request:
     disk_from: int = 0  # blocks below it (the device hit at admission) are not saved to disk
     lookup: _Lookup | None = None
     sources: dict[Source, int] = field(default_factory=dict)  # tokens per tier, last load
+    load_async: bool = False  # its last lookup's hit has remote blocks
 
 
 class TierPlanner:
@@ -96,8 +123,10 @@ class TierPlanner:
     ``disk_contains(key)``: whether every rank's disk tier holds ``key`` (None: no
     disk tier). ``remote_contains(keys)``: how many leading ``keys`` the remote tier
     holds for every rank (None: no remote tier); ``remote_step_blocks``: the most
-    blocks one step loads from it. ``host_capacity``: blocks each worker's host tier
-    holds.
+    blocks one step loads from it; ``prefetch_step_blocks``: the most blocks one step
+    prefetches from disk into host (0: no prefetch). ``host_capacity``: blocks each
+    worker's host tier holds, at most ``max_retained`` of them retained; ``clock``
+    (seconds) times retentions.
 
     Invariants (``check_invariants``):
       * the mirror's own (``HostMirror.check_invariants``);
@@ -107,32 +136,69 @@ class TierPlanner:
         the loads that bring it in have run);
       * a request never considered more blocks for saving than it has keys;
       * once the disk is off (``reset``), no disk or remote lookup happens;
-      * this step's remote loads stay within ``remote_step_blocks``.
+      * this step's remote loads stay within ``remote_step_blocks``;
+      * the queued prefetches, at most ``prefetch_step_blocks``, are arriving, unpinned
+        mirror keys of known requests, and only while the disk is on;
+      * a request listed for an asynchronous load had a remote hit in its lookup.
     """
 
     def __init__(self, block_size: int, key_digest: str, host_capacity: int,
                  disk_contains: Callable[[str], bool] | None,
                  remote_contains: Callable[[list[str]], int] | None = None,
-                 remote_step_blocks: int = 0) -> None:
+                 remote_step_blocks: int = 0, max_retained: int = 0,
+                 clock: Callable[[], float] = time.monotonic,
+                 prefetch_step_blocks: int = 0) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.base_digest = self.key_digest = key_digest
         self.epoch = 0
-        self.host = HostMirror(host_capacity)
+        self.host = HostMirror(host_capacity, max_retained)
+        self.clock = clock
         self.disk_contains = disk_contains
         self.remote_contains = remote_contains
         self.remote_step_blocks = remote_step_blocks
+        self.prefetch_step_blocks = prefetch_step_blocks
+        self._prefetches: dict[str, str] = {}  # key -> request, queued for this step
         self._step_remote = 0  # remote loads planned for the step being scheduled
         self._requests: dict[str, _Request] = {}
         self._step_loads: dict[str, _Loads] = {}  # planned for the step being scheduled
         self._in_flight: dict[str, _Loads] = {}  # sent with the last step, until it finished
         self._loads: list[LoadOrder] = []
         self._failed: list[int] = []
+        self._async: dict[str, None] = {}  # requests admitted with an asynchronous load
         self._drops: list[str] = []
         self._clear_host = self._disk_off = False
 
     # ------------------------------------------------------------ scheduler calls
+    def prefetch(self, request_id: str, tokens: Sequence[int], namespace: bytes) -> int:
+        """Queue disk-to-host reads of the arriving request's blocks (see the module
+        docstring); returns how many. O(new tokens) to compute its keys, plus O(1) per
+        block the mirror has and a stat per rank per block probed on disk."""
+        room = self.prefetch_step_blocks - len(self._prefetches)
+        if room <= 0 or self.disk_contains is None or not self.host.capacity:
+            return 0
+        st = self._requests.get(request_id)
+        if st is None:
+            st = self._requests[request_id] = _Request(tokens, namespace)
+        keys = self._keys(st, (len(tokens) - 1) // self.block_size)
+        own = [key for key in keys if self.host.holds(key)]
+        for key in own:  # its own blocks in host are no victims of its prefetch
+            self.host.pin(key)
+        queued = 0
+        try:
+            for key in keys:
+                if key in self.host:  # held, or arriving with this step's orders
+                    continue
+                if (queued == room or not self.disk_contains(key)
+                        or not self._host_insert(key, True)):
+                    break
+                self._prefetches[key] = request_id
+                queued += 1
+        finally:
+            self._unpin(own)
+        return queued
+
     def lookup(self, request_id: str, tokens: Sequence[int], namespace: bytes,
                num_computed_tokens: int) -> int:
         """Tokens the tiers can supply right after a device hit of ``num_computed_tokens``
@@ -146,6 +212,7 @@ class TierPlanner:
         self._end_lookup(st)
         bs = self.block_size
         st.num_checked, st.disk_from = 0, num_computed_tokens // bs  # (re)admission
+        st.load_async = False
         start, limit = num_computed_tokens // bs, (len(tokens) - 1) // bs
         if num_computed_tokens % bs or start >= limit:
             return 0
@@ -168,7 +235,14 @@ class TierPlanner:
         for key in pinned:
             self.host.pin(key)
         st.lookup = _Lookup(start, sources, pinned)
+        st.load_async = Source.REMOTE in sources
         return len(sources) * bs
+
+    def loads_async(self, request_id: str) -> bool:
+        """Whether the request's last lookup offered remote blocks: vLLM then loads its
+        hit asynchronously (the request waits; the others' steps go on). O(1)."""
+        st = self._requests.get(request_id)
+        return st is not None and st.load_async
 
     def allocated(self, request_id: str, block_ids: Sequence[int],
                   num_external_tokens: int) -> None:
@@ -181,6 +255,8 @@ class TierPlanner:
         lookup = st.lookup if st is not None else None
         if st is not None:
             st.lookup, st.sources = None, {}
+            if st.load_async and num_external_tokens > 0:  # vLLM awaits its report
+                self._async[request_id] = None
         count = num_external_tokens // self.block_size
         if count > 0 and (lookup is None or count > len(lookup.sources)):
             logger.error("kvbackend tiers: request %s adopted %d tier tokens that its lookup "
@@ -196,10 +272,11 @@ class TierPlanner:
                 self.host.pin(key)
                 loads.pinned.append(key)
                 promote = False
-            else:
-                promote = self._host_insert(key)
-                if lookup.sources[j] is Source.REMOTE:
-                    self._step_remote += 1
+            elif lookup.sources[j] is Source.REMOTE:
+                promote = False
+                self._step_remote += 1
+            else:  # the load promotes a prefetch of this step instead of reading twice
+                promote = self._prefetches.pop(key, None) is not None or self._host_insert(key)
             self._loads.append(LoadOrder(request_id, block_id, key, promote))
             loads.blocks[block_id] = key
             st.sources[lookup.sources[j]] = st.sources.get(lookup.sources[j], 0) + self.block_size
@@ -220,6 +297,8 @@ class TierPlanner:
         if st is not None:
             self._end_lookup(st)
             st.sources = {}
+            if st.load_async and block_ids:
+                self._async[request_id] = None
         self._failed.extend(block_ids)
         self._step_loads.setdefault(request_id, _Loads())
 
@@ -232,8 +311,10 @@ class TierPlanner:
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest]) -> StepOrders:
         """The orders of the step being scheduled. O(scheduled requests + blocks to
-        consider), plus O(new tokens) to extend keys."""
+        consider), plus O(new tokens) to extend keys, and O(log n) per retention that
+        ends."""
         self._in_flight.clear()
+        self.host.expire(self.clock())
         saves: list[SaveOrder] = []
         for request in scheduled:
             st = self._requests.get(request.request_id)
@@ -249,10 +330,12 @@ class TierPlanner:
         for step_loads in self._step_loads.values():
             self._unpin(step_loads.pinned)  # loaded in this step, before any later drop
             step_loads.pinned = []
+        prefetches = tuple(self._prefetches)
         orders = StepOrders(self._clear_host, self._disk_off, tuple(self._drops), tuple(loads),
-                            tuple(self._failed), tuple(saves))
+                            tuple(self._failed), tuple(saves), tuple(self._async), prefetches)
+        self._prefetches.clear()
         self._in_flight, self._step_loads = self._step_loads, {}
-        self._loads, self._failed, self._drops = [], [], []
+        self._loads, self._failed, self._drops, self._async = [], [], [], {}
         self._clear_host = self._disk_off = False
         self._step_remote = 0
         self.host.orders_sent()
@@ -279,11 +362,20 @@ class TierPlanner:
         its host tier, and the keys to drop from it. O(drops)."""
         return self._clear_host, tuple(self._drops)
 
-    def request_finished(self, request_id: str) -> None:
-        """Forget the request. O(1)."""
+    def request_finished(self, request_id: str, retain_s: float = 0.0) -> None:
+        """Forget the request; keep its context's host keys ahead of ordinary ones for
+        ``retain_s`` seconds. O(1), plus O(blocks log n) to retain them and O(log n)
+        per retention that ends."""
+        now = self.clock()
+        self.host.expire(now)
         st = self._requests.pop(request_id, None)
+        for key in [k for k, r in self._prefetches.items() if r == request_id]:
+            del self._prefetches[key]  # arriving: no worker holds it, nothing to drop
+            self.host.remove(key)
         if st is not None:
             self._end_lookup(st)
+            if retain_s > 0:
+                self.host.retain(st.keys[:st.num_checked], now + retain_s)
 
     def reset(self) -> None:
         """After a weight update (``reset_prefix_cache(reset_connector=True)``): nothing
@@ -306,6 +398,7 @@ class TierPlanner:
         """Forget the host tier; every worker clears its own with the next orders.
         The way back to a known state after an error. O(host keys + requests)."""
         self.host.clear()
+        self._prefetches.clear()
         self._drops.clear()
         self._clear_host = True
         for st in self._requests.values():
@@ -322,9 +415,11 @@ class TierPlanner:
                 parent=st.keys[-1] if st.keys else None))
         return st.keys
 
-    def _host_insert(self, key: str) -> bool:
-        inserted = self.host.insert(key)
+    def _host_insert(self, key: str, ordinary_only: bool = False) -> bool:
+        inserted = self.host.insert(key, ordinary_only)
         self._drops.extend(inserted.evicted)
+        for evicted in inserted.evicted:  # a queued prefetch a later insert evicted
+            self._prefetches.pop(evicted, None)
         return inserted.added
 
     def _plan_saves(self, request: ScheduledRequest, st: _Request,
@@ -355,27 +450,48 @@ class TierPlanner:
 
     # --------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant. O(requests +
-        host keys + listed blocks)."""
+        """Raise ``RuntimeError`` naming the first broken invariant (plain raises, so
+        ``python -O`` keeps them). O(requests + host keys + listed blocks)."""
         self.host.check_invariants()
         listed: Counter[str] = Counter()
         for st in self._requests.values():
             if st.lookup is not None:
                 listed.update(st.lookup.pinned)
-            assert st.num_checked <= len(st.keys), (
-                f"{st.num_checked} blocks considered for saving, only {len(st.keys)} keys")
+            if st.num_checked > len(st.keys):
+                raise RuntimeError(f"{st.num_checked} blocks considered for saving, only "
+                                   f"{len(st.keys)} keys")
         for loads in self._step_loads.values():
             listed.update(loads.pinned)
         pinned = {key: self.host.pin_count(key) for key in listed}
-        assert pinned == dict(listed), f"pin counts {pinned} != listings {dict(listed)}"
-        assert self.host.num_pinned() == len(listed), "a key is pinned that nothing lists"
+        if pinned != dict(listed):
+            raise RuntimeError(f"pin counts {pinned} != listings {dict(listed)}")
+        if self.host.num_pinned() != len(listed):
+            raise RuntimeError("a key is pinned that nothing lists")
         lost = [key for key in listed if not self.host.holds(key)]
-        assert not lost, f"host hits {lost[:3]} are not in every worker's host tier"
-        assert not (self.epoch and self.disk_contains is not None), "disk in use after reset"
-        assert not (self.epoch and self.remote_contains is not None), (
-            "remote tier in use after reset")
-        assert 0 <= self._step_remote <= self.remote_step_blocks, (
-            f"{self._step_remote} remote loads planned, over {self.remote_step_blocks}")
+        if lost:
+            raise RuntimeError(f"host hits {lost[:3]} are not in every worker's host tier")
+        if self.epoch and self.disk_contains is not None:
+            raise RuntimeError("disk in use after reset")
+        if self.epoch and self.remote_contains is not None:
+            raise RuntimeError("remote tier in use after reset")
+        if not 0 <= self._step_remote <= self.remote_step_blocks:
+            raise RuntimeError(f"{self._step_remote} remote loads planned, over "
+                               f"{self.remote_step_blocks}")
+        if len(self._prefetches) > self.prefetch_step_blocks:
+            raise RuntimeError(f"{len(self._prefetches)} prefetches queued, over "
+                               f"{self.prefetch_step_blocks}")
+        if self._prefetches and self.disk_contains is None:
+            raise RuntimeError("prefetches queued without a disk tier")
+        for key, request_id in self._prefetches.items():
+            if (key in listed or key not in self.host or self.host.holds(key)
+                    or request_id not in self._requests):
+                raise RuntimeError(f"prefetch of {key[:16]} for {request_id} is not an "
+                                   "arriving, unpinned key of a known request")
+        no_remote = [r for r in self._async
+                     if r in self._requests and not self._requests[r].load_async]
+        if no_remote:
+            raise RuntimeError(f"requests {no_remote[:3]} load asynchronously without a "
+                               "remote hit")
 
 
 __all__ = ["TierPlanner"]

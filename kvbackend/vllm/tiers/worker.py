@@ -4,17 +4,23 @@ out.
 ``TierWorker`` moves bytes through a ``kvbackend.ops.BlockMover``, a block (all
 layers) at a time, without staging copies on a CPU cache:
 
-  ``start_step``   before the forward pass: clear the host tier / stop using the disk
-                   and remote tiers when told, apply the drops, then load each block
+  ``start_step``   before the forward pass (after it when the step loads nothing
+                   synchronously): clear the host tier / stop using the disk and
+                   remote tiers when told, apply the drops, then load each block
                    from host, else disk (read straight into its buffer and verified
-                   there: checksum, identity, size), and the blocks neither had from
-                   the remote tier (one round trip for all, verified alike), and
-                   scatter each into its block of every layer.
+                   there: checksum, identity, size), and scatter each into its block
+                   of every layer. The blocks of ``async_loads`` requests that
+                   neither had go to a ``RemoteReader`` (one round trip per request,
+                   verified alike, on its own thread): the step does not wait.
+  ``take_finished_loads``  the ``async_loads`` requests whose remote blocks arrived
+                   (or missed) since the last call: their blocks are scattered now,
+                   between steps, and the misses become load errors.
   ``finish_step``  after the forward pass, when the bytes are final: gather each saved
                    block straight into the array the host tier keeps and/or write it to
                    the disk tier (atomic, checksummed), unless its file already exists;
                    blocks for the remote tier are gathered into fresh arrays and handed
-                   to a ``RemoteWriter``, which sends them from its own thread.
+                   to a ``RemoteWriter``, which sends them from its own thread. Then
+                   the prefetches: disk blocks read into the host tier.
   ``take_load_errors``  the blocks that missed or failed verification since the last
                    call; they were scattered nowhere. vLLM unions every rank's errors
                    and recomputes from each request's first failed block.
@@ -38,6 +44,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvbackend.ops import BlockMover
+from kvbackend.store.remote_reader import RemoteReader
 from kvbackend.store.remote_writer import RemoteWriter
 from kvbackend.vllm.tiers.messages import LoadOrder, StepOrders
 from kvbackend.vllm.tiers.metrics import KVBackendStats
@@ -48,13 +55,22 @@ logger = logging.getLogger("kvbackend.tiers")
 class TierWorker:
     """One worker's tiers and the orders it has carried out. Without a mover (the
     tiers could not be set up on this worker) every load fails and nothing is
-    saved. ``remote``: the remote tier's writer (its ``tier`` serves the loads), or
-    None. ``rank`` names this worker's gauges in the stats. Calls must not overlap."""
+    saved. ``remote``: the remote tier's writer (its ``tier`` serves the loads, through
+    a ``RemoteReader``), or None. ``rank`` names this worker's gauges in the stats.
+    Calls must not overlap.
+
+    Invariant: every ``async_loads`` request is reported by ``take_finished_loads``
+    exactly once (vLLM holds its blocks until then), after its blocks were
+    scattered or reported as load errors; ``fetching`` lists the ones still out."""
 
     def __init__(self, mover: BlockMover | None, remote: RemoteWriter | None = None,
                  rank: int = 0) -> None:
         self.mover = mover
         self.remote = remote
+        self.reader = RemoteReader(remote.tier) if remote is not None else None
+        self.fetching: dict[str, list[LoadOrder]] = {}  # request -> its blocks being fetched
+        self._finished: set[str] = set()  # async loads done, not reported yet
+        self._remote_corrupt = 0  # the remote tier's corrupt count, last seen
         self.rank = str(rank)
         self._load_errors: set[int] = set()
         self._stats = KVBackendStats()
@@ -66,6 +82,7 @@ class TierWorker:
         self._load_errors.update(orders.failed)
         if mover is None:
             self._load_errors.update(o.block_id for o in orders.loads)
+            self._finished.update(orders.async_loads)
             return
         try:
             if orders.clear_host and mover.host is not None:
@@ -79,16 +96,51 @@ class TierWorker:
         except Exception:  # noqa: BLE001 - never fail the step for a cache
             logger.exception("kvbackend tiers: dropping host blocks failed")
         self._moved = self._moved or bool(orders.clear_host or orders.drops or orders.loads)
-        if not orders.loads:
-            return
         try:
-            missed = self._load_local(mover, orders.loads)
-            if missed and self.remote is not None:
-                missed = self._load_remote(mover, missed)
+            missed = self._load_local(mover, orders.loads) if orders.loads else []
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: loading blocks failed; they are recomputed")
             missed = list(orders.loads)
-        self._load_errors.update(o.block_id for o in missed)
+        background = set(orders.async_loads)
+        self._load_errors.update(o.block_id for o in missed if o.request_id not in background)
+        for request_id in orders.async_loads:
+            self._fetch(request_id, [o for o in missed if o.request_id == request_id])
+
+    def _fetch(self, request_id: str, loads: list[LoadOrder]) -> None:
+        """Have the reader fetch ``loads`` of one async request (none: done already)."""
+        if not loads or self.reader is None or self.remote is None:
+            self._load_errors.update(o.block_id for o in loads)
+            self._finished.add(request_id)
+            return
+        self.fetching[request_id] = loads
+        self.reader.submit(request_id, [o.key for o in loads])
+
+    def take_finished_loads(self) -> set[str]:
+        """The async requests whose blocks are in place (or reported as load errors)
+        since the last call; scatters the blocks fetched meanwhile. Never waits.
+        O(fetched bytes)."""
+        done = self.reader.take_done() if self.reader is not None else []
+        for request_id, payloads, seconds in done:
+            loads = self.fetching.pop(request_id, [])
+            found = [(o.block_id, o.key, p, o.promote) for o, p in zip(loads, payloads)
+                     if p is not None and self.remote is not None]  # none once closed
+            try:
+                self.mover.load_payloads(found)
+            except Exception:  # noqa: BLE001
+                logger.exception("kvbackend tiers: placing remote blocks failed; they are "
+                                 "recomputed")
+                found = []
+            placed = {block_id for block_id, _, _, _ in found}
+            self._load_errors.update(o.block_id for o in loads if o.block_id not in placed)
+            self._loaded("remote", len(found), seconds)
+            self._finished.add(request_id)
+            self._moved = True
+        if done and self.reader is not None:
+            corrupt = _corrupt_count(self.reader.tier)
+            self._stats.count("verify_failed_blocks", "remote", corrupt - self._remote_corrupt)
+            self._remote_corrupt = corrupt
+        finished, self._finished = self._finished, set()
+        return finished
 
     def _load_local(self, mover: BlockMover, loads: Sequence[LoadOrder]) -> list[LoadOrder]:
         """Load the blocks host holds, then the rest from disk, each tier timed; returns
@@ -114,27 +166,22 @@ class TierWorker:
                 missed += [o for o, ok in zip(part, done) if not ok]
         return missed
 
-    def _load_remote(self, mover: BlockMover, loads: list[LoadOrder]) -> list[LoadOrder]:
-        """Load ``loads`` from the remote tier (one round trip); returns those it missed."""
-        tier = self.remote.tier
-        corrupt, start = _corrupt_count(tier), time.perf_counter()
-        payloads = tier.get_many([o.key for o in loads])
-        found = [(o.block_id, o.key, p, o.promote) for o, p in zip(loads, payloads)
-                 if p is not None]
-        mover.load_payloads(found)
-        self._loaded("remote", len(found), time.perf_counter() - start)
-        self._stats.count("verify_failed_blocks", "remote", _corrupt_count(tier) - corrupt)
-        return [o for o, p in zip(loads, payloads) if p is None]
-
     def _loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
         self._stats.count("load_bytes", tier, num_blocks * self.mover.block_nbytes)
         self._stats.observe("load_seconds", tier, seconds)
 
     def finish_step(self, orders: StepOrders) -> None:
-        """The saves, after the forward pass. O(saved bytes) plus a stat per disk save."""
+        """The saves, then the prefetches, after the forward pass. O(saved and prefetched
+        bytes) plus a stat per disk save."""
         mover = self.mover
-        if mover is None or not orders.saves:
+        if mover is None:
             return
+        if orders.saves:
+            self._save(mover, orders)
+        if orders.prefetches:
+            self._prefetch(mover, orders.prefetches)
+
+    def _save(self, mover: BlockMover, orders: StepOrders) -> None:
         self._moved = True
         # Per tier: blocks saved; blocks timed and their seconds (a block saved to host
         # and disk is timed as disk: one gather serves both).
@@ -172,12 +219,30 @@ class TierWorker:
             if timed[tier]:
                 self._stats.observe("save_seconds", tier, seconds[tier])
 
+    def _prefetch(self, mover: BlockMover, keys: Sequence[str]) -> None:
+        """Read ``keys`` from disk into the host tier, timed as disk loads. A block that
+        missed is found missing when a load asks for it (see ``TierPlanner``)."""
+        self._moved = True
+        try:
+            corrupt = _corrupt_count(mover.disk) if mover.disk is not None else 0
+            start = time.perf_counter()
+            self._loaded("disk", mover.prefetch(list(keys)), time.perf_counter() - start)
+            if mover.disk is not None:
+                self._stats.count("verify_failed_blocks", "disk",
+                                  _corrupt_count(mover.disk) - corrupt)
+        except Exception:  # noqa: BLE001
+            logger.exception("kvbackend tiers: prefetching blocks failed; they load from "
+                             "disk or are recomputed")
+
     def close(self) -> None:
         """Send the remote saves still queued (a few seconds at most); stop using the
-        remote tier."""
+        remote tier: the loads still out are reported as failed by the next
+        ``take_finished_loads``."""
         if self.remote is not None:
             self.remote.close()
             self.remote = None
+        if self.reader is not None:
+            self.reader.close()
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call. O(1)."""
