@@ -1,10 +1,13 @@
-"""Build a tiny random-weight Llama model directory for tests and benchmarks.
+"""Build tiny random-weight model directories (Llama; Gemma-3) for tests and benchmarks.
 
-Nothing is downloaded: the model is a randomly initialised ``LlamaForCausalLM``
-and the tokenizer is a word-level vocabulary (``<unk> <s> </s> w0 w1 ...``)
-built in memory, so that ``"w5 w17 w3"`` encodes to three tokens.
+Nothing is downloaded: the model is randomly initialised and the tokenizer is a
+word-level vocabulary (``<unk> <s> </s> w0 w1 ...``) built in memory, so that
+``"w5 w17 w3"`` encodes to three tokens.
 
-Usage: ``python -m kvbackend.testing.tiny_model DIR [--hidden-size 64 ...]``
+The Gemma-3 model interleaves sliding-window and full-attention layers, so vLLM
+gives it more than one KV-cache group (one per layer kind and position).
+
+Usage: ``python -m kvbackend.testing.tiny_model DIR [--gemma3] [--hidden-size 64 ...]``
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-_PARAMS_KEY = "kvbackend_tiny_llama"
+_PARAMS_KEY = "kvbackend_tiny_llama"  # the parameters a directory was built with
 
 
 def build_tiny_llama(
@@ -44,28 +48,72 @@ def build_tiny_llama(
         vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
         seed=seed, dtype=dtype,
     )
+
+    def make_config():
+        from transformers import LlamaConfig
+        return LlamaConfig(
+            hidden_size=hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            intermediate_size=intermediate_size, vocab_size=vocab_size,
+            max_position_embeddings=max_position_embeddings,
+            bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False)
+
+    return _build(path, params, make_config)
+
+
+def build_tiny_gemma3(
+    path: str,
+    *,
+    layer_types: tuple[str, ...] = ("sliding_attention", "sliding_attention", "full_attention"),
+    sliding_window: int = 64,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> str:
+    """Create (or reuse) a random text-only Gemma-3 (``Gemma3ForCausalLM``) in ``path``.
+
+    ``layer_types`` interleaves ``"sliding_attention"`` (a window of ``sliding_window``
+    tokens) and ``"full_attention"`` layers, as Gemma 3 does (5:1 there, 2:1 here).
+    Hidden size 128, two query heads and one KV head of 64 (a head size vLLM's CPU
+    attention takes), 512 words. Reuse and determinism as in ``build_tiny_llama``.
+    """
+    params = dict(arch="gemma3", layer_types=list(layer_types), sliding_window=sliding_window,
+                  seed=seed, dtype=dtype, vocab_size=512, max_position_embeddings=8192)
+
+    def make_config():
+        from transformers import Gemma3TextConfig
+        config = Gemma3TextConfig(
+            hidden_size=128, num_hidden_layers=len(layer_types), head_dim=64,
+            num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
+            vocab_size=params["vocab_size"], query_pre_attn_scalar=64,
+            max_position_embeddings=params["max_position_embeddings"],
+            sliding_window=sliding_window, layer_types=list(layer_types),
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        config.architectures = ["Gemma3ForCausalLM"]
+        return config
+
+    return _build(path, params, make_config)
+
+
+def _build(path: str, params: dict, make_config: Callable) -> str:
+    """Save a random model from ``make_config()`` and the word-level tokenizer into
+    ``path``, unless ``path`` already holds one built with ``params``."""
     config_path = os.path.join(path, "config.json")
     if os.path.exists(config_path):
         with open(config_path) as f:
             if json.load(f).get(_PARAMS_KEY) == params:
                 return path
+    vocab_size, max_len = params["vocab_size"], params["max_position_embeddings"]
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed {len(SPECIAL_TOKENS)}")
 
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    config = LlamaConfig(
-        hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False,
-    )
+    config = make_config()
     setattr(config, _PARAMS_KEY, params)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    torch.manual_seed(params["seed"])
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, params["dtype"])).eval()
 
     words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS))]
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *words))}
@@ -73,13 +121,13 @@ def build_tiny_llama(
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        model_max_length=max_position_embeddings,
+        model_max_length=max_len,
     )
 
     # Save into a temp dir under path, then move config.json last, so an interrupted
     # build is never mistaken for a finished one.
     os.makedirs(path, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny_llama_", dir=path)
+    tmp = tempfile.mkdtemp(prefix=".tiny_model_", dir=path)
     try:
         model.save_pretrained(tmp)
         hf_tok.save_pretrained(tmp)
@@ -94,6 +142,9 @@ def build_tiny_llama(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path")
+    parser.add_argument("--gemma3", action="store_true",
+                        help="the Gemma-3-style model (only --seed, --dtype, --sliding-window apply)")
+    parser.add_argument("--sliding-window", type=int, default=64)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
@@ -104,7 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     args = vars(parser.parse_args(argv))
-    print(build_tiny_llama(args.pop("path"), **args))
+    path, window = args.pop("path"), args.pop("sliding_window")
+    if args.pop("gemma3"):
+        print(build_tiny_gemma3(path, sliding_window=window, seed=args["seed"],
+                                dtype=args["dtype"]))
+    else:
+        print(build_tiny_llama(path, **args))
 
 
 if __name__ == "__main__":

@@ -22,18 +22,20 @@ TIER_CONNECTOR_MODULE = "kvbackend.vllm.tiers.connector"
 OPTIONS_VALIDATOR = "kvbackend.vllm.request_options:KVOptionsValidator"
 
 
-def engine_kwargs(**config: Any) -> dict[str, Any]:
+def engine_kwargs(kv_transfer_config: Any = None, **config: Any) -> dict[str, Any]:
     """Plain vLLM keyword arguments that select kvbackend with ``config``.
 
     Takes the keys of ``--kv-backend-config``; unknown keys raise ValueError.
+    ``kv_transfer_config`` (a ``KVTransferConfig`` or its fields) adds another KV
+    connector: alone, or after the tier connector in vLLM's ``MultiConnector`` when a
+    tier is set (``kvbackend.vllm.connectors`` says which connectors are refused).
     vLLM's own hash-based prefix caching is switched off (kvbackend replaces it).
     A no-op logits processor checks each request's ``kv_priority``/``kv_pin`` in
     the API process (bad values: HTTP 400, or an error from ``LLM.generate``).
     With a host or disk tier configured, kvbackend's tier connector is selected
     as vLLM's KV connector (``kv_transfer_config``); failed tier loads are
-    recomputed, and async scheduling is switched off (tier loads are not ordered
-    with the steps it overlaps). Without a tier vLLM's choice of async scheduling
-    stands.
+    recomputed, and async scheduling is switched off (why: the manager's
+    docstring). Without a tier vLLM's choice of async scheduling stands.
     """
     backend_config = KVBackendConfig.from_dict(config)
     kwargs: dict[str, Any] = {
@@ -45,6 +47,12 @@ def engine_kwargs(**config: Any) -> dict[str, Any]:
     if backend_config.tiers_enabled:
         kwargs["kv_transfer_config"] = tier_transfer_config(backend_config)
         kwargs["async_scheduling"] = False
+        if kv_transfer_config is not None:
+            from kvbackend.vllm.connectors import compose
+            kwargs["kv_transfer_config"] = compose(kwargs["kv_transfer_config"],
+                                                   kv_transfer_config)
+    elif kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config
     return kwargs
 
 

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 ADDITIONAL_CONFIG_KEY = "kvbackend"
 # The keys the tier connector reads from ``kv_connector_extra_config``.
 TIER_KEYS = ("host_cache_gb", "disk_cache_dir", "disk_cache_gb", "disk_cache_key_file",
-             "disk_cache_shared_group", "remote_cache_url", "remote_cache_key_file")
+             "disk_cache_shared_group", "remote_cache_url", "remote_cache_key_file",
+             "remote_cache_password_file")
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -45,7 +46,10 @@ class KVBackendConfig:
     default: private to this user, 0700/0600);
     ``remote_cache_url``: a Redis or Valkey server that a fleet of instances shares,
     below host and disk (``redis://[[user]:password@]host[:port][/db]``, ``rediss://``
-    for TLS, ``unix://path``; None: off); ``remote_cache_key_file``: a 0600 file
+    for TLS, ``unix://path``; None: off); ``remote_cache_password_file``: a 0600 file
+    holding the server's password (``requirepass``, or the ACL user's named in the URL;
+    one trailing newline ignored), as orchestrators mount secrets, instead of a password in
+    the URL (both at once is an error); ``remote_cache_key_file``: a 0600 file
     holding a 32-byte key for keyed checksums of remote blocks (every instance of the
     fleet needs the same one; without it, unkeyed).
 
@@ -64,6 +68,7 @@ class KVBackendConfig:
     disk_cache_shared_group: bool = False
     remote_cache_url: str | None = None
     remote_cache_key_file: str | None = None
+    remote_cache_password_file: str | None = None
     explain_misses: str | None = None
 
     def __post_init__(self) -> None:
@@ -77,7 +82,7 @@ class KVBackendConfig:
             if not _is_number(value) or not 0 <= value < float("inf"):
                 raise ValueError(f"kvbackend: {name} must be a finite number >= 0, got {value!r}")
         for name in ("disk_cache_dir", "disk_cache_key_file", "remote_cache_key_file",
-                     "explain_misses"):
+                     "remote_cache_password_file", "explain_misses"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"kvbackend: {name} must be a non-empty string (a path), "
@@ -109,8 +114,9 @@ class KVBackendConfig:
     def _check_remote(self) -> None:
         url = self.remote_cache_url
         if url is None:
-            if self.remote_cache_key_file is not None:
-                raise ValueError("kvbackend: remote_cache_key_file needs remote_cache_url")
+            for name in ("remote_cache_key_file", "remote_cache_password_file"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"kvbackend: {name} needs remote_cache_url")
             return
         if not isinstance(url, str):
             raise ValueError(f"kvbackend: remote_cache_url must be a string, got {url!r}")
@@ -123,7 +129,11 @@ class KVBackendConfig:
             raise ValueError(f"kvbackend: remote_cache_url must be redis://host[:port][/db], "
                              f"rediss://... or unix://path, got a {parts.scheme or 'bare'}:// "
                              f"URL")  # never the URL itself: it may hold a password
+        if self.remote_cache_password_file is not None and parts.password is not None:
+            raise ValueError("kvbackend: remote_cache_url holds a password and "
+                             "remote_cache_password_file is set; give one of them")
         self.remote_checksum_key()
+        self.remote_password()
 
     def _check_explain_misses(self) -> None:
         if self.explain_misses is None:
@@ -145,6 +155,18 @@ class KVBackendConfig:
             return load_checksum_key(self.remote_cache_key_file)
         except ValueError as e:
             raise ValueError(f"kvbackend: {e}") from None
+
+    def remote_password(self) -> str | None:
+        """The remote server's password from ``remote_cache_password_file``, or None;
+        ValueError for a file that is missing, readable by others, empty or not UTF-8."""
+        path = self.remote_cache_password_file
+        if path is not None:
+            from kvbackend.store.remote_tier import read_password_file  # lazy: see module doc
+            try:
+                return read_password_file(path)
+            except ValueError as e:
+                raise ValueError(f"kvbackend: remote_cache_password_file: {e}") from None
+        return None
 
     @property
     def tiers_enabled(self) -> bool:

@@ -20,7 +20,8 @@ branches continue, holds its own copy), else to the last full block. Each
 fallback is one more match, O(depth + tokens), and only while a match ends in a
 block written this step.
 
-Tokens loaded by kvbackend's tier connector (host memory / disk) arrive as
+Tokens loaded by a KV connector (kvbackend's host/disk/remote tiers, or another
+connector: ``kvbackend.vllm.connectors``) arrive as
 ``num_external_computed_tokens``: they get fresh blocks right after the device
 hit, which vLLM makes block-aligned whenever an external hit exists (it drops
 a partial device tail, so no copy-on-write block is ever overwritten by a
@@ -31,6 +32,33 @@ that loads is *not* published to the tree in its admission step; its next
 vLLM has by then cut ``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
 the same blocks. Nothing another request can match ever comes from a failed load.
+An asynchronous load (``delay_cache_blocks``: a remote hit or another connector's
+load; the request waits in WAITING_FOR_REMOTE_KVS) is not published either; vLLM
+calls ``cache_blocks`` with the tokens known good once the workers report it done,
+or ``free`` if none are.
+
+Speculative decoding (n-gram, suffix, Medusa, MLP speculators, draft models):
+``num_new_tokens`` counts the draft tokens and ``num_lookahead_tokens`` the
+drafter's extra slots; both get blocks (``computed + new + lookahead``, capped at
+``max_model_len``, as vLLM does), but only ``request.all_token_ids`` is ever
+published, so a draft is published only once accepted, and then it is a real
+token whose KV its verification step wrote. A rejected draft's KV stays in a slot
+past ``num_computed_tokens``, which the tree never lists and the next step
+overwrites (``tests/vllm/test_spec_decode.py`` checks the tree after every step).
+
+Several KV-cache groups (interleaved sliding-window and full attention, e.g.
+Gemma 2/3): every group's blocks are cached along the same token boundaries,
+one logical block of the tree being one physical block per group
+(``block_groups.py``). A hit is valid where every group has what vLLM's
+``HybridKVCacheCoordinator`` requires -- full-attention groups the whole prefix,
+sliding-window groups the last window -- and since no group ever drops a block
+of a live or cached sequence, every group has the whole prefix: token-exact
+hits and copy-on-write (one copy per group) carry over unchanged. The price is
+memory: vLLM frees the blocks of a running request that fell out of every
+window (``remove_skipped_blocks``, replacing them by the null block), kvbackend
+keeps them, so a long sliding-window request holds as many blocks as a full-
+attention one, and a hit is never limited by a freed window. Start-up refuses a
+``max_model_len`` whose blocks (all groups) do not fit the pool.
 
 Async scheduling (``KVBackendAsyncScheduler``): step N+1 is scheduled while
 step N runs, so ``num_computed_tokens`` counts tokens whose step has not run
@@ -54,11 +82,29 @@ attention that reads it. Hence:
 - *frees*: a request freed (finished, aborted, preempted) while step N still
   writes its blocks returns them at once, as vLLM does: whoever gets them
   writes in step N+1 or later, after step N's writes. vLLM defers frees
-  (``pop_blocks_for_free``) only for a connector that loads into blocks
-  outside the step order; kvbackend's tier connector is such a writer, so
-  async scheduling with tiers is refused at start and failed tier loads keep
-  the handling above. ``tests/vllm/test_async_scheduling.py`` checks every
-  read of every step against the token prefix its slot holds.
+  (``pop_blocks_for_free``, not served) for every connector whose
+  ``kv_role`` loads, since one may load outside the step order (NIXL); such
+  connectors are refused with async scheduling at start.
+  ``tests/vllm/test_async_scheduling.py`` checks every read of every step
+  against the token prefix its slot holds.
+
+Async scheduling stays refused with kvbackend's tiers, although their loads
+(``start_load_kv``) and saves (``wait_for_save``) run inside their step, in
+step order, for three reasons, each a change of its own:
+
+- a loading request is published at its next ``allocate_slots``, which must
+  come after the loading step's output (its failed blocks); with async
+  scheduling it comes one step earlier, so a block whose load failed could be
+  published and hit. Fix: publish loads from ``cache_blocks``, which the async
+  scheduler calls once an output (and its ``invalid_block_ids``) is in;
+- ``TierPlanner`` keeps only the last planned step's loads (``_in_flight``,
+  cleared by the next lookup or plan) for ``step_finished``, so step N's
+  failure report, arriving after step N+1 was planned, would leave a failed
+  block in the host mirror. Fix: a queue of in-flight steps' loads;
+- vLLM defers frees for the tier connector (``kv_role`` "kv_both"), which
+  needs ``pop_blocks_for_free``; the tier connector needs no deferral (its
+  loads are in step order), so ``KVBackendAsyncScheduler`` could turn
+  ``defer_block_free`` off when it runs alone.
 
 vLLM's ``KVCacheManager`` surface (``tests/vllm/test_manager_surface.py`` fails
 when vLLM adds a public member that this table does not name):
@@ -73,10 +119,11 @@ when vLLM adds a public member that this table does not name):
     estimate_cached_tokens             overridden  tokens under the locked node
     usage                              overridden  held blocks of kvbackend's pool
     reset_prefix_cache                 overridden  clears the tree
-    take_kv_cache_block_copies         overridden  copy-on-write copies of partial hits
+    take_kv_cache_block_copies         overridden  copy-on-write copies of partial hits,
+                                                   one per group
     new_step_starts                    overridden  copies ran; step's writes are done
     evict_blocks                       overridden  checks no failed block is published
-    remove_skipped_blocks              overridden  full attention: nothing leaves a window
+    remove_skipped_blocks              overridden  every group keeps its blocks (above)
     pop_blocks_for_free                overridden  deferred frees: refused (only for
                                                    connectors loading out of step order)
     finalize_partial_tail_offloads     overridden  Mamba "align" only: none
@@ -96,7 +143,8 @@ when vLLM adds a public member that this table does not name):
                                                    pool records nothing, []
     record_blocks_for_zeroing          inherited   same: no group records ids
     take_boundary_state_offloads       inherited   Mamba "align" only: {}
-    take_events                        overridden  kvbackend's device block events
+    take_events                        overridden  kvbackend's device and host tier block
+                                                   events (``kv_events.py``)
 """
 
 from __future__ import annotations
@@ -105,20 +153,20 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+import msgspec
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.request import Request, RequestStatus
 
-from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer
+from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer, cdiv
 from kvbackend.core.miss_diagnosis import Admission
+from kvbackend.vllm.block_groups import BlockGroups
 from kvbackend.vllm.config import KVBackendConfig
-from kvbackend.vllm.kv_events import DeviceBlockEvents
+from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.miss_log import MissLog
 from kvbackend.vllm.namespace import request_namespace
-from kvbackend.vllm.request_options import (
-    DEFAULT_OPTIONS, RequestOptionError, RequestOptions, parse_request_options,
-)
+from kvbackend.vllm.request_options import request_options
 
 logger = logging.getLogger(__name__)
 
@@ -138,38 +186,41 @@ class _TrackedRequest:
     cacheable: bool = True  # False for multimodal / embedding prompts: token ids don't name them
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVBackendManager(KVCacheManager):
-    """A drop-in ``KVCacheManager`` for single-group (full attention) models."""
+    """A drop-in ``KVCacheManager`` for attention models with one or several KV-cache
+    groups (full attention, sliding windows); block ids handed to the tree and pool
+    are logical (``BlockGroups``)."""
 
     def __init__(self, *args: Any, backend_config: KVBackendConfig,
-                 kv_events: DeviceBlockEvents | None = None, **kwargs: Any) -> None:
+                 kv_events: BlockEvents | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.num_kv_cache_groups != 1:
-            raise ValueError(
-                f"kvbackend serves models with one KV-cache group (full attention); this model "
-                f"has {self.num_kv_cache_groups} (hybrid / sliding-window / Mamba layers)")
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
-        num_blocks = self.kv_cache_config.num_blocks
-        self.cache = PrefixCache(num_blocks, self.block_size,
+        self.groups = BlockGroups(self.kv_cache_config.num_blocks, self.num_kv_cache_groups)
+        self.watermark_blocks //= self.groups.num_groups  # vLLM counts physical blocks
+        self.cache = PrefixCache(self.groups.num_logical, self.block_size,
                                  max_pinned_fraction=backend_config.max_pinned_fraction,
                                  max_retained_fraction=backend_config.max_retained_fraction)
-        self._block_objects = [KVCacheBlock(i) for i in range(num_blocks)]
+        needed, usable = cdiv(self.max_model_len, self.block_size), self.cache.block_counts().usable
+        if self.groups.num_groups > 1 and usable < needed:
+            raise ValueError(
+                f"kvbackend keeps every KV-cache group's blocks for the whole context: a "
+                f"{self.max_model_len}-token request needs {needed} blocks in each of the "
+                f"{self.groups.num_groups} groups, the KV cache holds "
+                f"{usable}; lower max_model_len or give the KV "
+                "cache more memory")
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step: set[int] = set()
         self.kv_events = kv_events  # set with --kv-events-config
-        self.miss_log = (MissLog(backend_config.explain_misses, self.cache.tree)
+        self.miss_log = (MissLog(backend_config.explain_misses, self.cache)
                          if backend_config.explain_misses else None)
         self.tier_hit_sources = None  # the tier connector's get_external_cache_hit_sources
         self.hit_tokens = 0  # device tokens reused at admission, all namespaces (monotone)
 
     # ------------------------------------------------------------- lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """Token-exact hit, capped at ``num_tokens - 1`` (and the prompt on first admission)."""
+        """Token-exact hit, capped at ``num_tokens - 1`` (and the prompt on first admission).
+        O(depth + new tokens + matched tokens), one more match per same-step fallback."""
         tracked = self._track(request)
         if not tracked.cacheable or not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
@@ -186,6 +237,7 @@ class KVBackendManager(KVCacheManager):
         return self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens, 0
 
     def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens under the request's locked node. O(1)."""
         tracked = self._requests.get(request.request_id)
         return tracked.sequence.num_locked_tokens if tracked and tracked.sequence else 0
 
@@ -205,13 +257,15 @@ class KVBackendManager(KVCacheManager):
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
-        """All or nothing; returns only the blocks appended to the request's table."""
+        """All or nothing; returns only the blocks appended to the request's table.
+        O(depth + blocks) at admission, O(new blocks) after, plus ``_publish``'s
+        O(depth + tokens) when it publishes."""
         if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
-        if num_encoder_tokens or delay_cache_blocks:
-            raise NotImplementedError("kvbackend does not serve asynchronous KV loads or "
-                                      "encoder-decoder models (refused at start-up)")
+        if num_encoder_tokens:
+            raise NotImplementedError("kvbackend does not serve encoder-decoder models "
+                                      "(refused at start-up)")
         tracked = self._track(request)
         if num_external_computed_tokens and (tracked.sequence is not None or num_new_computed_tokens
                                              % self.block_size):
@@ -229,7 +283,7 @@ class KVBackendManager(KVCacheManager):
             match = self._admission_match(request, tracked, num_new_computed_tokens)
             needed = total if not full_sequence_must_fit else max(
                 total, min(request.num_tokens, self.max_model_len))
-            if _cdiv(needed, self.block_size) - match.num_full_blocks > headroom:
+            if cdiv(needed, self.block_size) - match.num_full_blocks > headroom:
                 return None
             if self.miss_log is not None and request.num_preemptions <= 0:
                 self._explain_admission(request, tracked, match, num_external_computed_tokens)
@@ -238,11 +292,11 @@ class KVBackendManager(KVCacheManager):
                 return None
             allocated = seq.block_ids[match.num_full_blocks:]
             tracked.sequence, tracked.match = seq, None
-            self.cache.tree.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
+            self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
             self.hit_tokens += match.num_tokens
             new_block_ids = seq.block_ids  # all of them are new to the request's table
         else:
-            if _cdiv(total, self.block_size) - len(seq.block_ids) > headroom:
+            if cdiv(total, self.block_size) - len(seq.block_ids) > headroom:
                 return None
             new_block_ids = allocated = self.cache.extend(seq, max(total, seq.num_tokens))
             if new_block_ids is None:
@@ -252,19 +306,21 @@ class KVBackendManager(KVCacheManager):
         end = computed + num_new_tokens
         first_written = (computed - num_external_computed_tokens) // self.block_size
         self._written_this_step.update(
-            seq.block_ids[first_written: _cdiv(end, self.block_size)])
+            seq.block_ids[first_written: cdiv(end, self.block_size)])
         if not num_external_computed_tokens:  # else: published once the load is known good
             self._publish(request, tracked, min(end, request.num_tokens))
         return self._as_blocks(new_block_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish what is known computed. O(depth + tokens) when it publishes, else O(1)."""
         tracked = self._requests.get(request.request_id)
         if tracked is not None and tracked.sequence is not None:
             self._publish(request, tracked, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Publish every computed token (partial tail included), then release; a
-        finished request with ``kv_retain_s`` leaves its context retained."""
+        finished request with ``kv_retain_s`` leaves its context retained.
+        O(depth + tokens + blocks)."""
         if self.miss_log is not None:
             self.miss_log.forget(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
@@ -286,23 +342,23 @@ class KVBackendManager(KVCacheManager):
         vLLM has cut its computed tokens back to the first failed block, so no
         tree node lists a failed block. Checked here, O(nodes); a violation is a bug.
         """
-        bad = set(block_ids)
-        for node in self.cache.tree.iter_nodes(all_namespaces=True):
-            if bad.intersection(node.block_ids):
-                raise RuntimeError(f"block(s) {sorted(bad.intersection(node.block_ids))} failed "
-                                   "to load but are published in the prefix tree; this "
-                                   "indicates a bug")
+        published = self.cache.published_blocks(
+            {b // self.groups.num_groups for b in block_ids})  # physical -> logical ids
+        if published:
+            raise RuntimeError(f"block(s) {sorted(published)} failed to load but are published "
+                               "in the prefix tree; this indicates a bug")
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        """Full attention only: no block ever falls out of a window."""
+        """Nothing to free: every group keeps the blocks that left its window."""
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         """Only Mamba "align" groups have partial-tail offloads; kvbackend has none."""
         return []
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block and pin; refused (False) while requests hold blocks."""
+        """Drop every cached block and pin; refused (False) while requests hold blocks.
+        O(nodes + blocks)."""
         if self.cache.sequences:
             return False
         self.cache.clear()
@@ -317,7 +373,7 @@ class KVBackendManager(KVCacheManager):
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         """vLLM's hit counters; then, with ``explain_misses``, the request's record
         (vLLM calls this right after the tier connector planned its loads, so the
-        tier of each loaded token is known)."""
+        tier of each loaded token is known). O(1), plus the record's O(spans)."""
         super().record_prefix_cache_stats(request, num_hits)
         if self.miss_log is not None:
             sources = self.tier_hit_sources or (lambda req, n: {})
@@ -325,6 +381,7 @@ class KVBackendManager(KVCacheManager):
 
     # ----------------------------------------------------------- read-outs
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's block table. O(blocks)."""
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.sequence is None:
             return self.empty_kv_cache_blocks
@@ -332,27 +389,33 @@ class KVBackendManager(KVCacheManager):
 
     @property
     def usage(self) -> float:
-        pool = self.cache.pool
-        return pool.num_held / pool.num_usable_blocks
+        """Held blocks over usable ones. O(1)."""
+        counts = self.cache.block_counts()
+        return counts.held / counts.usable
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """Copies for the worker to run before this step's forward pass; their
-        source blocks stay held until the next step starts."""
-        return [KVCacheBlockCopy(c.src, c.dst) for c in self.cache.take_block_copies()], []
+        source blocks stay held until the next step starts. O(copies * groups)."""
+        copies = self.cache.take_block_copies()
+        return self.groups.copies((c.src, c.dst) for c in copies), []
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` for the
-        device blocks (``--kv-events-config``); see ``kv_events.py``."""
+        device blocks (``--kv-events-config``); see ``kv_events.py``. O(events)."""
         if self.kv_events is None:
             return []
         events = self.kv_events.take()
-        kind, window = self.kv_cache_event_metadata[0]
+        if self.groups.num_groups > 1:  # as vLLM: each group stores and removes its own
+            events = [per_group for event in events
+                      for per_group in _per_group(event, self.groups.num_groups)]
         for event in events:
             if isinstance(event, BlockStored):
+                kind, window = self.kv_cache_event_metadata[event.group_idx or 0]
                 event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = kind, window
         return events
 
     def new_step_starts(self) -> None:
+        """The previous step ran: release its copies' sources. O(copies + blocks written)."""
         super().new_step_starts()
         self.cache.complete_block_copies()  # the previous step, and its copies, have run
         self._written_this_step.clear()
@@ -362,7 +425,7 @@ class KVBackendManager(KVCacheManager):
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             tracked = _TrackedRequest(namespace=request_namespace(request))
-            options = _retention(request)
+            options = request_options(request)
             tracked.priority, tracked.pin = options.priority, options.pin
             tracked.retain_s = options.retain_s
             tracked.cacheable = not request.mm_features and request.prompt_embeds is None
@@ -372,7 +435,7 @@ class KVBackendManager(KVCacheManager):
     def _admission_match(self, request: Request, tracked: _TrackedRequest, hit: int) -> PrefixMatch:
         """The match ``get_computed_blocks`` returned, re-taken if the tree moved since."""
         match = tracked.match
-        if match is None or match.num_tokens != hit or not self.cache.tree.is_current(match):
+        if match is None or match.num_tokens != hit or not self.cache.is_current(match):
             tokens = tracked.tokens.sync(request.all_token_ids)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=hit)
             if match.num_tokens != hit:
@@ -419,19 +482,11 @@ class KVBackendManager(KVCacheManager):
                                request.num_prompt_tokens)
 
     def _as_blocks(self, block_ids) -> KVCacheBlocks:
-        if not block_ids:
-            return self.empty_kv_cache_blocks
-        objects = self._block_objects
-        return KVCacheBlocks(([objects[b] for b in block_ids],))
+        return self.groups.as_blocks(block_ids) if block_ids else self.empty_kv_cache_blocks
 
 
-def _retention(request: Request) -> RequestOptions:
-    """The request's ``kv_priority`` / ``kv_pin`` / ``kv_retain_s``; the defaults, with a
-    warning, when bad (the API process rejects bad values; this only sees requests that
-    bypassed it)."""
-    params = request.sampling_params
-    try:
-        return parse_request_options(params.extra_args if params is not None else None)
-    except RequestOptionError as e:
-        logger.warning("kvbackend: request %s: %s; using the defaults", request.request_id, e)
-        return DEFAULT_OPTIONS
+def _per_group(event: KVCacheEvent, num_groups: int) -> list[KVCacheEvent]:
+    """A store or removal of logical blocks, as one event per KV-cache group."""
+    if not isinstance(event, (BlockStored, BlockRemoved)):
+        return [event]
+    return [msgspec.structs.replace(event, group_idx=g) for g in range(num_groups)]

@@ -6,7 +6,10 @@ dataclass fields. So the plugin wraps two ``EngineArgs`` methods: one adds the
 flags, the other turns them into engine configuration (``scheduler_cls``,
 ``additional_config``, the per-request option validator in ``logits_processors``)
 that travels to the engine-core process. Without ``--kv-backend`` both wrappers
-change nothing.
+change nothing. A third wrapper, around ``create_engine_config`` (offline and
+server alike), drops that validator under speculative decoding, where vLLM's
+workers refuse every custom logits processor: bad options then fall back to the
+defaults in the engine core, with a warning, instead of failing the request.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import argparse
 import logging
 from typing import Any
 
-from kvbackend.vllm import engine_kwargs
+from kvbackend.vllm import (
+    OPTIONS_VALIDATOR, TIER_CONNECTOR, TIER_CONNECTOR_MODULE, engine_kwargs,
+)
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
 
 BACKEND_NAMES = ("kvbackend",)
+logger = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -27,11 +33,13 @@ def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     _share_vllm_log_handlers()
+    _register_tier_connector()
 
     if getattr(EngineArgs, "_kvbackend_flags", False):
         return
     original_add = EngineArgs.add_cli_args
     original_from = EngineArgs.from_cli_args.__func__
+    original_create = EngineArgs.create_engine_config
 
     def add_cli_args(parser, *args, **kwargs):
         parser = original_add(parser, *args, **kwargs)
@@ -45,9 +53,40 @@ def register() -> None:
                     getattr(args, "kv_backend_config", None))
         return engine_args
 
+    def create_engine_config(self, *args, **kwargs):
+        config = original_create(self, *args, **kwargs)
+        _drop_validator_under_spec_decode(config)
+        return config
+
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
     EngineArgs._kvbackend_flags = True
+
+
+def _drop_validator_under_spec_decode(config: Any) -> None:
+    """vLLM's workers refuse custom logits processors with speculative decoding; take
+    kvbackend's option validator out of ``config`` then (the user's own stay, and vLLM
+    names them)."""
+    model = config.model_config
+    procs = model.logits_processors if model is not None else None
+    if config.speculative_config is None or not procs or OPTIONS_VALIDATOR not in procs:
+        return
+    model.logits_processors = [p for p in procs if p != OPTIONS_VALIDATOR] or None
+    logger.info("kvbackend: speculative decoding admits no logits processor, so bad "
+                "kv_priority/kv_pin/kv_retain_s values fall back to the defaults")
+
+
+def _register_tier_connector() -> None:
+    """Name the tier connector in vLLM's connector registry: a ``MultiConnector`` rebuilds
+    its children's stats by registered name (in the API process's stats logger)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(TIER_CONNECTOR, TIER_CONNECTOR_MODULE,
+                                              TIER_CONNECTOR)
+    except ValueError:  # registered already
+        pass
 
 
 def _share_vllm_log_handlers() -> None:
@@ -81,16 +120,14 @@ def apply_flags(engine_args: Any, backend: str | None, config: dict | None) -> N
     if custom not in (None, "", engine_kwargs()["scheduler_cls"]):
         raise ValueError(f"--kv-backend replaces the scheduler; it cannot be combined with "
                          f"--scheduler-cls {custom!r}")
-    for name, value in engine_kwargs(**(config or {})).items():
+    other = engine_args.kv_transfer_config  # --kv-transfer-config: composed with the tiers
+    for name, value in engine_kwargs(other, **(config or {})).items():
         if name == "additional_config":
             value = {**(engine_args.additional_config or {}), **value}
         elif name == "logits_processors":  # the user's --logits-processors stay
             given = list(engine_args.logits_processors or [])
             value = given + [v for v in value if v not in given]
-        elif name == "kv_transfer_config":
-            if engine_args.kv_transfer_config is not None:
-                raise ValueError("kvbackend's host/disk tiers use vLLM's KV connector slot; they "
-                                 "cannot be combined with --kv-transfer-config")
+        elif name == "kv_transfer_config" and value is not other:
             from vllm.config import KVTransferConfig
             value = KVTransferConfig(**value)
         elif name == "async_scheduling" and engine_args.async_scheduling:

@@ -8,15 +8,15 @@ as ``vllm_xargs``, whose values are only str/int/float (JSON ``true`` arrives as
 ``1``), so ``kv_pin`` also accepts 0/1 and "true"/"false".
 
 ``parse_request_options`` is the only place that knows these rules. It is run
-twice per request:
+twice per request (the engine core's users read it through ``request_options``):
 
   * in the API process, by :class:`KVOptionsValidator`, a no-op logits processor
     whose ``validate_params`` hook vLLM runs on every request at admission; a bad
     value fails that request (HTTP 400 from the server, an exception from
     ``LLM.generate``) with a message naming the option;
-  * in the engine core, by the manager, which must never raise into the step loop
-    and falls back to the defaults (with a warning) for a request that bypassed
-    the API process.
+  * in the engine core, by the manager (and, at a request's end, the tier
+    connector), which must never raise into the step loop and fall back to the
+    defaults (with a warning) for a request that bypassed the API process.
 
 ``engine_kwargs`` (and ``--kv-backend``) register the validator through vLLM's
 ``logits_processors`` engine argument (``kvbackend.vllm.OPTIONS_VALIDATOR``).
@@ -24,6 +24,7 @@ twice per request:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -36,6 +37,9 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 if TYPE_CHECKING:
     import torch
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvbackend")
 
 PRIORITY_OPTION = "kv_priority"
 PIN_OPTION = "kv_pin"
@@ -92,6 +96,18 @@ def parse_request_options(extra_args: Mapping[str, Any] | None) -> RequestOption
     return RequestOptions(priority=priority, pin=flag, retain_s=float(retain_s))
 
 
+def request_options(request: Request) -> RequestOptions:
+    """The engine core's reading of ``request``'s options: the defaults, with a warning,
+    when bad (the API process rejects bad values; this only sees requests that
+    bypassed it). O(1)."""
+    params = request.sampling_params
+    try:
+        return parse_request_options(params.extra_args if params is not None else None)
+    except RequestOptionError as e:
+        logger.warning("kvbackend: request %s: %s; using the defaults", request.request_id, e)
+        return DEFAULT_OPTIONS
+
+
 class KVOptionsValidator(LogitsProcessor, LogitsProcessorV2):
     """Checks the kvbackend options of each request in the API process; leaves logits alone.
 
@@ -128,4 +144,5 @@ class KVOptionsValidator(LogitsProcessor, LogitsProcessorV2):
 
 
 __all__ = ["DEFAULT_OPTIONS", "KVOptionsValidator", "PIN_OPTION", "PRIORITY_OPTION",
-           "RETAIN_OPTION", "RequestOptionError", "RequestOptions", "parse_request_options"]
+           "RETAIN_OPTION", "RequestOptionError", "RequestOptions", "parse_request_options",
+           "request_options"]

@@ -16,19 +16,16 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, KVCacheConfig, RSWASpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheConfig,
+    RSWASpec, SlidingWindowSpec,
+)
+from vllm.v1.request import Request
 
-from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
-from kvbackend.vllm.kv_events import DeviceBlockEvents
+from kvbackend.vllm.connectors import connector_refusals, uses_tiers
+from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.manager import KVBackendManager
-
-
-def is_tier_connector(kv_transfer_config: Any) -> bool:
-    """Whether ``kv_transfer_config`` selects kvbackend's own host/disk tier connector."""
-    return (kv_transfer_config is not None
-            and kv_transfer_config.kv_connector == TIER_CONNECTOR
-            and kv_transfer_config.kv_connector_module_path == TIER_CONNECTOR_MODULE)
 
 
 def unsupported_features(config: VllmConfig,
@@ -36,21 +33,34 @@ def unsupported_features(config: VllmConfig,
     """vLLM features kvbackend cannot serve safely; each is refused at start-up.
 
     With ``kv_cache_config`` (known once the workers report their layers) also the
-    models whose KV of a prefix is not a function of that prefix alone.
+    models whose KV of a prefix is not a function of that prefix alone. KV connectors:
+    see ``kvbackend.vllm.connectors``.
     """
     sched, parallel, model = config.scheduler_config, config.parallel_config, config.model_config
+    spec = config.speculative_config
+    transfer = config.kv_transfer_config
     checks = {
-        "speculative decoding": config.speculative_config is not None,
+        # EAGLE-style drafters' KV at a position reads the *next* token, which a
+        # token-exact partial hit does not match: to check on a GPU. A draft model is a
+        # causal LM in the same blocks: its KV is a function of the prefix, as the target's.
+        "speculative decoding whose drafter reads the target's hidden states into a KV "
+        "cache (EAGLE, MTP, DFlash, DSpark; n-gram, suffix, Medusa, MLP speculators and "
+        "draft models are served)":
+            spec is not None and spec.uses_draft_kv_cache() and not spec.uses_draft_model(),
+        "speculative decoding together with async scheduling (pass --no-async-scheduling)":
+            spec is not None and bool(sched.async_scheduling),
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode/prefill context parallelism": (
             parallel.decode_context_parallel_size > 1
             or getattr(parallel, "prefill_context_parallel_size", 1) > 1),
-        "KV connectors other than kvbackend's tier connector (--kv-transfer-config)":
-            (config.kv_transfer_config is not None
-             and not is_tier_connector(config.kv_transfer_config)),
-        # Tier loads write device blocks outside the step order async scheduling relies on.
+        # Failed tier loads are reported after the next step is scheduled: the manager docstring.
         "async scheduling together with host/disk/remote tiers (pass --no-async-scheduling)":
-            bool(sched.async_scheduling) and is_tier_connector(config.kv_transfer_config),
+            bool(sched.async_scheduling) and uses_tiers(transfer),
+        # vLLM then defers block frees (pop_blocks_for_free), see the manager's docstring.
+        "async scheduling together with a KV connector that loads (kv_role kv_consumer or "
+        "kv_both; pass --no-async-scheduling)":
+            bool(sched.async_scheduling) and transfer is not None and transfer.is_kv_consumer
+            and not uses_tiers(transfer),
         "priority scheduling (use the default fcfs policy)": sched.policy != "fcfs",
         "encoder-decoder models": model.is_encoder_decoder,
         # vLLM picks its DiffusionScheduler only when no scheduler class is set.
@@ -62,8 +72,15 @@ def unsupported_features(config: VllmConfig,
         "non-causal (bidirectional or prefix-LM) attention":
             config.attention_config.use_non_causal
             or (kv_cache_config is not None and _has_non_causal_layers(kv_cache_config)),
+        # Their state is one running value per request, not KV per token: a hit needs a
+        # state checkpoint at its boundary (vLLM's mamba_cache_mode="align"), not kept here.
+        "Mamba / linear-attention (state-space) layers":
+            kv_cache_config is not None and _has_state_layers(kv_cache_config),
+        "KV-cache groups with different block sizes (one logical block spans every group)":
+            kv_cache_config is not None
+            and len({g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}) > 1,
     }
-    return [name for name, present in checks.items() if present]
+    return [name for name, present in checks.items() if present] + connector_refusals(transfer)
 
 
 def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:
@@ -73,6 +90,16 @@ def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:
     KV depends on the window, ``models/config.py``)."""
     return any(getattr(group.kv_cache_spec, "non_causal", False)
                or isinstance(group.kv_cache_spec, (EncoderOnlyAttentionSpec, RSWASpec))
+               for group in kv_cache_config.kv_cache_groups)
+
+
+_TOKEN_KV_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+
+
+def _has_state_layers(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether a group caches something other than per-token attention KV (Mamba,
+    linear attention, compressor ring buffers)."""
+    return any(not isinstance(group.kv_cache_spec, _TOKEN_KV_SPECS)
                for group in kv_cache_config.kv_cache_groups)
 
 
@@ -102,12 +129,25 @@ class KVBackendScheduler(Scheduler):
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
-            kv_events=DeviceBlockEvents(self.cache_config.prefix_caching_hash_algo,
+            kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo,
                                         self.block_size) if self.enable_kv_cache_events else None,
         )
-        if self.connector is not None:  # kvbackend's tier connector (checked above)
+        if self.connector is not None:  # kvbackend's tiers and/or a connector checked above
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
             self.kv_cache_manager.tier_hit_sources = self.connector.get_external_cache_hit_sources
+
+    def add_request(self, request: Request) -> None:
+        """vLLM's, then, for a new request that will wait (others queue ahead of it, or
+        every running slot is taken), a prefetch of its disk blocks into host memory
+        (``KVBackendTierConnector.prefetch``; never raises). Any other request is
+        usually admitted in the next step, whose loads read the disk themselves."""
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        prefetch = getattr(self.connector, "prefetch", None)
+        queued = len(self.waiting) + len(self.kv_holding_waiting)
+        if is_new and prefetch is not None and (
+                queued > 1 or len(self.running) >= self.max_num_running_reqs):
+            prefetch(request)
 
 
 class KVBackendAsyncScheduler(KVBackendScheduler, AsyncScheduler):

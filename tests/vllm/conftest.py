@@ -52,6 +52,18 @@ def print_results(got, **fields) -> None:
                       "cached": [g.num_cached_tokens for g in got]}))
 
 
+def greedy_outputs(llm, prompts, params) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's output token ids from ``llm``, keyed by the prompt's token tuple."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
+
+
+def cached_by_source(llm) -> dict[str, float]:
+    """vLLM's ``prompt_tokens_cached_by_source`` counters (needs stats on), per source."""
+    return {m.labels["source"]: m.value for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_cached_by_source"}
+
+
 def numba_modules_after(code: str) -> str:
     """The numba/llvmlite modules a fresh interpreter has loaded after running ``code``
     (printed as a sorted list: "[]" for none)."""

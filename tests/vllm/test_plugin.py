@@ -10,7 +10,7 @@ import pytest
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from kvbackend.vllm import SCHEDULER_CLS
+from kvbackend.vllm import SCHEDULER_CLS, TIER_CONNECTOR
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY
 from kvbackend.vllm.plugin import register
 from tests.vllm.conftest import numba_modules_after
@@ -55,6 +55,19 @@ def test_tiers_turn_async_scheduling_off_and_refuse_it_when_asked_for():
     with pytest.raises(ValueError, match="tiers do not serve async scheduling"):
         parse(ARGV + tiers + ["--async-scheduling"])
     assert parse(ARGV + tiers[:2] + ["--async-scheduling"]).async_scheduling is True
+
+
+def test_kv_transfer_config_is_composed_with_the_tiers():
+    register()
+    other = ["--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}']
+    alone = parse(ARGV + ["--kv-backend", "kvbackend"] + other).kv_transfer_config
+    assert (alone.kv_connector, alone.kv_role) == ("ExampleConnector", "kv_both")
+    tiers = ["--kv-backend", "kvbackend", "--kv-backend-config", '{"host_cache_gb": 1}']
+    multi = parse(ARGV + tiers + other).kv_transfer_config
+    assert multi.kv_connector == "MultiConnector"
+    first, second = multi.kv_connector_extra_config["connectors"]
+    assert first["kv_connector"] == TIER_CONNECTOR and first["kv_connector_extra_config"]
+    assert second == {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
 
 def test_loading_the_plugin_does_not_load_numba():

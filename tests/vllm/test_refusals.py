@@ -19,7 +19,9 @@ import sys
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
+)
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm import engine_kwargs
@@ -125,3 +127,87 @@ def test_non_causal_specs_are_refused(tiny_model):
         KVCacheGroupSpec(group.layer_names, bidirectional)])
     assert unsupported_features(config, non_causal) == [
         "non-causal (bidirectional or prefix-LM) attention"]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+
+
+def _spec_config(tiny_model, speculative_config, **overrides):
+    return EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                      block_size=BLOCK_SIZE, speculative_config=speculative_config,
+                      **{**engine_kwargs(), **overrides}).create_engine_config()
+
+
+def test_ngram_speculative_decoding_is_served_without_the_option_validator(tiny_model):
+    """vLLM's workers refuse any custom logits processor under speculative decoding:
+    kvbackend's option validator leaves the configuration then (and only then)."""
+    from kvbackend.vllm import OPTIONS_VALIDATOR
+    from kvbackend.vllm.plugin import register
+
+    register()
+    config = _spec_config(tiny_model, NGRAM)
+    assert unsupported_features(config, _kv_cache_config()) == []
+    assert OPTIONS_VALIDATOR not in (config.model_config.logits_processors or [])
+    plain = _spec_config(tiny_model, None)
+    assert OPTIONS_VALIDATOR in plain.model_config.logits_processors
+
+
+def test_eagle_drafters_and_async_spec_decode_are_refused_draft_models_served(tiny_model):
+    draft = {"model": tiny_model, "num_speculative_tokens": 2}
+    assert unsupported_features(_spec_config(tiny_model, {"method": "draft_model", **draft})) == []
+    eagle = _spec_config(tiny_model, {"method": "eagle", **draft})
+    assert unsupported_features(eagle) == [
+        "speculative decoding whose drafter reads the target's hidden states into a KV cache "
+        "(EAGLE, MTP, DFlash, DSpark; n-gram, suffix, Medusa, MLP speculators and draft "
+        "models are served)"]
+    ngram = _spec_config(tiny_model, NGRAM)
+    ngram.scheduler_config.async_scheduling = True  # what a GPU build with ngram_gpu runs
+    assert unsupported_features(ngram) == [
+        "speculative decoding together with async scheduling (pass --no-async-scheduling)"]
+
+
+def _spec(kind, block_size: int = BLOCK_SIZE, **fields):
+    return kind(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                **fields)
+
+
+def _groups_config(*specs, num_blocks: int = 64) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec)
+        for i, spec in enumerate(specs)])
+
+
+def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
+    config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                        block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+    window = _spec(SlidingWindowSpec, sliding_window=64)
+    assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), window)) == []
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 32),), dtypes=(torch.float32,))
+    assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), mamba)) == [
+        "Mamba / linear-attention (state-space) layers"]
+    wide_window = _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64)
+    assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), wide_window)) == [
+        "KV-cache groups with different block sizes (one logical block spans every group)"]
+
+
+@pytest.mark.parametrize("num_blocks", [64, 20])
+def test_several_groups_are_served_when_every_group_holds_a_whole_request(tiny_model,
+                                                                          num_blocks):
+    """kvbackend keeps each group's blocks for the whole context: a 512-token request
+    needs 16 blocks per group; 20 blocks over 2 groups leave 9 (one is the null block)."""
+    config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                        block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+    kv_cache_config = _groups_config(_spec(FullAttentionSpec),
+                                     _spec(SlidingWindowSpec, sliding_window=64),
+                                     num_blocks=num_blocks)
+    config.cache_config.num_gpu_blocks = num_blocks
+
+    def start():
+        return KVBackendScheduler(config, kv_cache_config, StructuredOutputManager(config),
+                                  block_size=BLOCK_SIZE)
+    if num_blocks == 20:
+        with pytest.raises(ValueError, match="needs 16 blocks in each of the 2 groups, the KV "
+                                             "cache holds 9"):
+            start()
+    else:
+        assert start().kv_cache_manager.groups.num_groups == 2

@@ -1,0 +1,116 @@
+"""The vLLM KV connectors kvbackend's device cache works with, and why it refuses the others.
+
+kvbackend's manager drives vLLM's connector calls as vLLM's own manager does: the
+connector sees the block-aligned local hit in ``get_num_new_matched_tokens``, gets the
+request's whole block table (hit blocks first) in ``update_state_after_alloc``,
+``request_finished`` gets the computed blocks, and a request's blocks stay held while the
+connector delays their free (``delay_free_blocks``, until its ``finished_sending``). Tokens
+a connector loads, synchronously or not, are published to kvbackend's tree only once
+vLLM counts them as loaded. What kvbackend does not provide is vLLM's hash-based block
+pool: its blocks carry no ``block_hash`` and vLLM's ``BlockPool`` and coordinator stay
+empty. A connector that reads them is refused at start (``connector_refusals``):
+
+- ``HASH_READERS`` tell the blocks of the local hit from those they load into by the
+  blocks' hashes (``KVCacheBlocks.get_unhashed_block_ids``, ``block.block_hash``): with
+  kvbackend every block looks unhashed, so they would load into shared cached blocks;
+- a connector that overrides ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``
+  reads vLLM's block pool or its manager's internals (e.g. the coordinator).
+
+kvbackend's own tiers plus another connector run under vLLM's ``MultiConnector``
+(``compose``): the tier connector first, so a request loads from host/disk/remote when
+they hold more than the local hit, else from the other connector; both save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
+
+MULTI_CONNECTOR = "MultiConnector"
+HASH_READERS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector",
+                          "MooncakeConnector", "HF3FSKVConnector", "OffloadingConnector"})
+
+
+def is_tier_connector(kv_transfer_config: Any) -> bool:
+    """Whether ``kv_transfer_config`` selects kvbackend's own host/disk tier connector."""
+    return (kv_transfer_config is not None
+            and kv_transfer_config.kv_connector == TIER_CONNECTOR
+            and kv_transfer_config.kv_connector_module_path == TIER_CONNECTOR_MODULE)
+
+
+def child_configs(kv_transfer_config: Any) -> list[Any]:
+    """The connectors ``kv_transfer_config`` runs: a ``MultiConnector``'s children (as
+    ``KVTransferConfig``), else itself; none for None."""
+    if kv_transfer_config is None:
+        return []
+    if kv_transfer_config.kv_connector != MULTI_CONNECTOR:
+        return [kv_transfer_config]
+    from vllm.config import KVTransferConfig
+
+    children = (kv_transfer_config.kv_connector_extra_config or {}).get("connectors", [])
+    return [KVTransferConfig(**child) for child in children]
+
+
+def uses_tiers(kv_transfer_config: Any) -> bool:
+    """Whether kvbackend's tier connector is among the connectors run."""
+    return any(is_tier_connector(c) for c in child_configs(kv_transfer_config))
+
+
+def connector_refusals(kv_transfer_config: Any) -> list[str]:
+    """Why each connector of ``kv_transfer_config`` cannot run with kvbackend (see the
+    module docstring); empty when all can. Loads each connector's class."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    refusals = []
+    for child in child_configs(kv_transfer_config):
+        name = child.kv_connector
+        if is_tier_connector(child):
+            continue
+        if name in HASH_READERS:
+            refusals.append(f"KV connector {name}: it tells the local prefix hit's blocks from "
+                            "those it loads into by vLLM's block hashes, which kvbackend's "
+                            "blocks do not carry (it would load into shared cached blocks)")
+            continue
+        cls = KVConnectorFactory.get_connector_class(child)
+        for hook in ("bind_gpu_block_pool", "bind_kv_cache_manager"):
+            if getattr(cls, hook, None) is not getattr(KVConnectorBase_V1, hook):
+                refusals.append(f"KV connector {name}: it reads vLLM's block pool or KV-cache "
+                                f"manager internals ({hook}), which kvbackend leaves unused")
+                break
+    return refusals
+
+
+def transfer_fields(kv_transfer_config: Any) -> dict[str, Any]:
+    """The fields a ``KVTransferConfig`` sets away from their defaults, as a dict a
+    ``MultiConnector`` child takes (its ``engine_id`` comes from the parent)."""
+    if isinstance(kv_transfer_config, dict):
+        return dict(kv_transfer_config)
+    fields = {}
+    for f in dataclasses.fields(kv_transfer_config):
+        value = getattr(kv_transfer_config, f.name)
+        default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                   else f.default)
+        if f.name != "engine_id" and value != default:
+            fields[f.name] = value
+    return fields
+
+
+def compose(tier: dict[str, Any], other: Any) -> dict[str, Any]:
+    """A ``MultiConnector`` config (``KVTransferConfig`` fields) running kvbackend's tier
+    connector ``tier`` first, then ``other`` (a config or its fields; a ``MultiConnector``
+    contributes its children)."""
+    other = transfer_fields(other)
+    if other.get("kv_connector") == MULTI_CONNECTOR:
+        children = list((other.get("kv_connector_extra_config") or {}).get("connectors", []))
+    else:
+        children = [other]
+    return {"kv_connector": MULTI_CONNECTOR, "kv_role": "kv_both",
+            "kv_load_failure_policy": tier["kv_load_failure_policy"],
+            "kv_connector_extra_config": {"connectors": [tier, *children]}}
+
+
+__all__ = ["HASH_READERS", "MULTI_CONNECTOR", "child_configs", "compose", "connector_refusals",
+           "is_tier_connector", "transfer_fields", "uses_tiers"]

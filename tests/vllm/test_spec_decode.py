@@ -1,0 +1,78 @@
+"""Speculative decoding with kvbackend on the real vLLM CPU engine: n-gram drafts, and a
+draft model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected).
+
+kvbackend (its tree checked after every step for draft tokens, in a fresh process:
+``spec_decode_steps.py``) against vLLM without prefix caching or speculative decoding
+(greedy outputs) and vLLM's prefix caching with the same speculative decoding (hits).
+The workload is repetitive, so n-gram proposes drafts and the model rejects some, and
+conversations continue from decoded output, so hits cover blocks written while drafts
+were being verified.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from vllm import SamplingParams
+
+from kvbackend.testing.tiny_model import build_tiny_llama
+from tests.vllm.conftest import make_engine, shutdown
+from tests.vllm.spec_decode_steps import MAX_TOKENS, run_workload, speculative_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def draft_model(request, tmp_path_factory) -> str | None:
+    """None for n-gram drafts, else the draft model's path."""
+    if request.param == "ngram":
+        return None
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-draft")), seed=1)
+
+
+@pytest.fixture(scope="module")
+def kvbackend_run(tiny_model, draft_model) -> dict:
+    args = [tiny_model] + ([draft_model] if draft_model else [])
+    done = subprocess.run([sys.executable, "-m", "tests.vllm.spec_decode_steps", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def apc_spec_run(tiny_model, draft_model):
+    llm = make_engine(tiny_model, "vllm-apc", speculative_config=speculative_config(draft_model))
+    try:
+        yield run_workload(llm, GREEDY)
+    finally:
+        shutdown(llm)
+
+
+def test_drafts_are_proposed_and_some_rejected(kvbackend_run, draft_model):
+    assert 0 <= kvbackend_run["accepted"] < kvbackend_run["drafts"]
+    if draft_model is None:  # n-gram finds the repetitions: some drafts are accepted
+        assert kvbackend_run["accepted"] > 0
+
+
+def test_tree_holds_only_real_tokens_after_every_step(kvbackend_run):
+    assert kvbackend_run["violations"] == []
+
+
+def test_greedy_outputs_match_vllm_without_caching_or_drafts(kvbackend_run, reference_llm):
+    prompts = kvbackend_run["prompts"]
+    reference = reference_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                       use_tqdm=False)
+    assert kvbackend_run["outputs"] == [list(r.outputs[0].token_ids) for r in reference]
+
+
+def test_hits_never_below_vllm_prefix_caching_with_the_same_drafts(kvbackend_run,
+                                                                   apc_spec_run):
+    prompts, outputs = apc_spec_run
+    assert prompts == kvbackend_run["prompts"]  # the same outputs, so the same follow-ups
+    theirs = [o.num_cached_tokens for o in outputs]
+    assert sum(theirs) > 0, "vLLM's prefix caching hit nothing; the workload is wrong"
+    assert all(ours >= t for ours, t in zip(kvbackend_run["cached"], theirs)), (
+        kvbackend_run["cached"], theirs)
