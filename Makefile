@@ -44,10 +44,10 @@ test:
 	$(MAKE) -j2 --output-sync=target test-main test-sglang
 
 test-main: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/sglang
+	$(PY) -m pytest -q --durations=20 --ignore=tests/sglang
 
 test-sglang: $(SGL_STAMP)
-	$(SGL_PY) -m pytest -q tests/sglang tests/test_cuda_build.py
+	$(SGL_PY) -m pytest -q --durations=10 tests/sglang tests/test_cuda_build.py
 
 demo: $(STAMP)
 	$(PY) -m kvbackend.demo
