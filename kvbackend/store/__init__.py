@@ -4,7 +4,8 @@
 * ``block_key``: chained sha256 block keys (which prefix a block holds)
 * ``host_tier``: in-memory LRU tier; ``disk_tier``: persistent, checksummed file tier;
   ``remote_tier``: blocks in a Redis/Valkey server (``circuit_breaker``: its retry rule;
-  ``remote_writer``: write-behind), imported on first use of ``RemoteTier`` (the
+  ``health_probe``: the health checks of an outage; ``remote_reader``/``remote_writer``:
+  read-behind and write-behind), imported on first use of ``RemoteTier`` (the
   ``redis`` client takes ~0.25 s to import)
 * ``block_file``: the on-disk block format (documented in ``disk_tier``); ``layout``: the
   names in a cache directory; ``safe_fs``: the directory's trust rules and no-follow I/O;

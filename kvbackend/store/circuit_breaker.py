@@ -51,6 +51,11 @@ class CircuitBreaker:
             self.open_until = now + self.delay_s
             return True
 
+    def seconds_to_try(self) -> float:
+        """Seconds until ``allow`` lets the next probe through (0: now, or closed)."""
+        with self._lock:
+            return max(0.0, self.open_until - self._clock()) if self.failures else 0.0
+
     def failed(self) -> bool:
         """Record a failed call; True if it began an outage (the breaker was closed)."""
         with self._lock:

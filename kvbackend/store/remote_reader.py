@@ -22,8 +22,8 @@ class RemoteReader:
     ``submit(tag, keys)`` queues a batch and returns at once; ``take_done`` hands
     back the batches fetched since the last call, never waiting. Each batch is
     one ``get_many`` (one round trip, every value verified), so a paused or dead
-    server costs the thread one timeout, then the tier's breaker answers misses
-    at once: no batch waits forever. After ``close`` no batch is fetched: those
+    server costs the thread one timeout per outage, then the tier's breaker answers
+    misses at once: no batch waits forever. After ``close`` no batch is fetched: those
     still queued come back as all misses, so every submitted tag comes back
     exactly once.
 

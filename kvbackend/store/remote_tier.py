@@ -36,12 +36,19 @@ retried inside a call. A call that fails on the connection (refused, reset,
 timed out: a server down, paused, restarting, unreachable) is a miss (``None``,
 not stored, 0 present), logs one warning per outage and opens a circuit breaker
 (:mod:`kvbackend.store.circuit_breaker`, ``backoff_s`` doubling up to
-``max_backoff_s``): while it is open, calls return a miss at once, without
-touching the network; then one call probes the server, and its success closes
-the breaker (logged). A write refused by a server that answers (out of memory,
-read-only replica, no permission) fails the puts of that call and backs writes
-off the same way; reads go on. No call raises for any of this: only the
-caller's errors (a malformed key, a payload of the wrong size) raise.
+``max_backoff_s``). While it is open, every call returns a miss at once, without
+touching the network, and no call is ever let through to probe the server: a
+thread of the tier's own (:mod:`kvbackend.store.health_probe`) sends a PING
+after each delay, and only its success closes the breaker (logged), so a server
+that comes back is used again without a restart. The scheduler calls
+``contains_many`` inside vLLM's step (SGLang's too): a server that stops
+answering costs it at most one timeout per outage, in the call that finds it
+out, never one per probe. A write refused by a server that answers (out of
+memory, read-only replica, no permission) fails the puts of that call and backs
+writes off the same way, except that there the next put after the delay is the
+probe (puts run on the workers' writer threads, never in the step); reads go on.
+No call raises for any of this: only the caller's errors (a malformed key, a
+payload of the wrong size) raise.
 
 Thread-safe (redis-py's connection pool; each call takes one connection).
 Redis Cluster is not supported (a single server, a replica set behind one
@@ -67,6 +74,7 @@ from kvbackend.store.block_file import (
 )
 from kvbackend.store.checksum_key import keyed_identity, read_private_file
 from kvbackend.store.circuit_breaker import CircuitBreaker
+from kvbackend.store.health_probe import HealthProbe
 from kvbackend.store.identity import CacheIdentity
 from kvbackend.store.tier import Payload, check_key
 
@@ -112,7 +120,8 @@ class RemoteTier:
     ``block_nbytes``: the payload size of every block of this identity (puts of
     another size raise; values announcing another are misses); without it a
     value may be as large as the server takes (``MAX_VALUE_BYTES``). ``password``:
-    the server's, when the URL holds none. ``clock``: the circuit breakers' (tests).
+    the server's, when the URL holds none. ``close()`` when done: it also ends the
+    health checks of an outage.
     """
 
     def __init__(
@@ -126,7 +135,6 @@ class RemoteTier:
         timeout_s: float = 0.5,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
-        clock: Callable[[], float] | None = None,
     ) -> None:
         if not isinstance(url, str):
             raise ValueError(f"remote cache url must be a string, got {type(url).__name__}")
@@ -142,14 +150,16 @@ class RemoteTier:
         self.checksum_key = checksum_key
         self.block_nbytes = block_nbytes
         self.max_payload = block_nbytes if block_nbytes is not None else _MAX_PAYLOAD
-        breaker_clock = {} if clock is None else {"clock": clock}
-        self._server = CircuitBreaker(backoff_s, max_backoff_s, **breaker_clock)
-        self._writes = CircuitBreaker(backoff_s, max_backoff_s, **breaker_clock)
+        self._server = CircuitBreaker(backoff_s, max_backoff_s)
+        self._health = HealthProbe(self._server, self._ping, self._back,
+                                   "kvbackend-remote-health")
+        self._writes = CircuitBreaker(backoff_s, max_backoff_s)
         self._client = self._connect(url, timeout_s, password)
         self._lock = threading.Lock()  # counters and warnings
         self._warned: set[str] = set()
         self._counters = dict(hits=0, misses=0, puts=0, put_failures=0, corrupt=0,
-                              failures=0, skipped=0, bytes_loaded=0, bytes_stored=0)
+                              failures=0, skipped=0, probes=0, bytes_loaded=0,
+                              bytes_stored=0)
 
     @staticmethod
     def _connect(url: str, timeout_s: float, password: str | None) -> redis.Redis:
@@ -208,7 +218,7 @@ class RemoteTier:
             return 0
         refused = [r for r in replies if isinstance(r, Exception)]
         if refused:
-            self._fault(self._writes, "writes refused", refused[0])
+            self._fault(self._writes.failed(), self._writes, "writes refused", refused[0])
         elif self._writes.succeeded():
             logger.info("kvbackend: remote tier %s takes writes again", self.url)
         stored = len(values) - len(refused)
@@ -265,9 +275,9 @@ class RemoteTier:
 
     def _run(self, queue: Callable[[Any], Any]) -> list[Any] | None:
         """One pipelined round trip: ``queue(pipe)`` adds the commands. The replies (a
-        failed command's reply is its exception), or None when the breaker is open or
-        the connection failed. Never raises for the server's state."""
-        if not self._server.allow():
+        failed command's reply is its exception), or None when the breaker is open (no
+        network then) or the connection failed. Never raises for the server's state."""
+        if not self._server.closed:
             self._count(skipped=1)
             return None
         try:
@@ -275,16 +285,30 @@ class RemoteTier:
                 queue(pipe)
                 replies = pipe.execute(raise_on_error=False)
         except _CONNECTION_ERRORS as e:
-            self._fault(self._server, "server unavailable", e)
+            self._fault(self._health.failed(), self._server, "server unavailable", e)
             self._count(failures=1)
             return None
-        if self._server.succeeded():
-            logger.info("kvbackend: remote tier %s is back", self.url)
+        if self._server.succeeded():  # a call sent before another one failed
+            self._back()
         return replies
 
-    def _fault(self, breaker: CircuitBreaker, what: str, error: BaseException) -> None:
-        """Open ``breaker``; warn if this begins an outage, else log at debug level."""
-        began = breaker.failed()
+    def _ping(self) -> bool:
+        """The health check, on the probe thread: whether the server answers a PING."""
+        self._count(probes=1)
+        try:
+            return bool(self._client.ping())
+        except _CONNECTION_ERRORS as e:
+            logger.debug("kvbackend: remote tier %s: health check failed (%s: %s)",
+                         self.url, type(e).__name__, e)
+            return False
+
+    def _back(self) -> None:
+        logger.info("kvbackend: remote tier %s is back", self.url)
+
+    def _fault(self, began: bool, breaker: CircuitBreaker, what: str,
+               error: BaseException) -> None:
+        """``breaker`` was just opened: warn if this ``began`` an outage, else log at
+        debug level."""
         (logger.warning if began else logger.debug)(
             "kvbackend: remote tier %s: %s (%s: %s); misses meanwhile, next try in %g s",
             self.url, what, type(error).__name__, error, breaker.delay_s)
@@ -308,15 +332,18 @@ class RemoteTier:
                 "writes": "up" if self._writes.closed else "backing off"}
 
     def check_invariants(self) -> None:
-        """Raise ``RuntimeError`` naming a broken invariant (both breakers', counters >= 0)."""
-        self._server.check_invariants()
+        """Raise ``RuntimeError`` naming a broken invariant (both breakers', a health check
+        running while the server's is open, counters >= 0)."""
+        self._health.check_invariants()
         self._writes.check_invariants()
         with self._lock:
             if any(v < 0 for v in self._counters.values()):
                 raise RuntimeError(f"negative counters {self._counters}")
 
     def close(self) -> None:
-        """Close the connections (a later call opens new ones)."""
+        """End the health checks and close the connections (a later call opens new ones
+        and tries the server again)."""
+        self._health.stop()
         self._client.close()
 
     def __repr__(self) -> str:

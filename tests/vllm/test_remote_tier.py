@@ -24,7 +24,7 @@ from vllm import SamplingParams
 from kvbackend.testing.redis_server import RedisServer
 from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm import engine_kwargs
-from tests.redis_proxy import PausingProxy
+from tests.redis_proxy import RedisProxy
 from tests.redis_server import require_binary
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
 
@@ -92,7 +92,7 @@ def test_a_server_paused_mid_load_stalls_no_other_request(engine_a, tiny_model, 
     long_greedy = SamplingParams(temperature=0, max_tokens=40)
     raw = server.client()
     before = set(raw.scan_iter("kvb:*"))
-    with PausingProxy(server, b"GETRANGE") as proxy:
+    with RedisProxy(server, pause_on=b"GETRANGE") as proxy:
         # a 60 s socket timeout: a load that blocked the step loop would show as a 60 s step
         llm = remote_engine(tiny_model, proxy.url + "?socket_timeout=60")
         engine, finished, steps = llm.llm_engine, {}, []

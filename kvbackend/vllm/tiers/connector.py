@@ -446,7 +446,8 @@ def _tp_rank() -> int:
 
 def _held_by_all(remotes: list[RemoteTier], keys: list[str]) -> int:
     """How many leading ``keys`` every rank's remote tier holds: one round trip per rank,
-    stopping at the first rank that holds none."""
+    stopping at the first rank that holds none; none for a rank whose server is out (its
+    breaker answers 0 at once while a health-check thread waits for the server)."""
     found = len(keys)
     for remote in remotes:
         found = remote.contains_many(keys[:found])

@@ -31,7 +31,9 @@ identity). Calls, in vLLM's order within a step:
                         continued by the keys the remote tier holds for every rank
                         (one round trip per rank, at most ``remote_step_blocks`` per
                         step, less what this step's earlier admissions adopted: this
-                        bounds the bytes a step fetches); capped at ``num_tokens - 1``.
+                        bounds the bytes a step fetches; during an outage none: a miss
+                        at once, and only the lookup that finds the outage out waits, one
+                        socket timeout, see ``RemoteTier``); capped at ``num_tokens - 1``.
                         A hit with remote blocks loads asynchronously (``loads_async``:
                         vLLM parks the request until the workers report its blocks
                         arrived). The host keys it lists are pinned until the loads
