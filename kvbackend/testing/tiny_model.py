@@ -1,13 +1,15 @@
-"""Build tiny random-weight model directories (Llama; Gemma-3) for tests and benchmarks.
+"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next) for tests and benchmarks.
 
 Nothing is downloaded: the model is randomly initialised and the tokenizer is a
 word-level vocabulary (``<unk> <s> </s> w0 w1 ...``) built in memory, so that
 ``"w5 w17 w3"`` encodes to three tokens.
 
 The Gemma-3 model interleaves sliding-window and full-attention layers, so vLLM
-gives it more than one KV-cache group (one per layer kind and position).
+gives it more than one KV-cache group (one per layer kind and position). The
+Qwen3-Next model is a linear-attention (Gated DeltaNet) / full-attention hybrid:
+vLLM gives its linear-attention layers a state group (``MambaSpec``).
 
-Usage: ``python -m kvbackend.testing.tiny_model DIR [--gemma3] [--hidden-size 64 ...]``
+Usage: ``python -m kvbackend.testing.tiny_model DIR [--gemma3 | --qwen3-next] [--seed 1 ...]``
 """
 
 from __future__ import annotations
@@ -94,6 +96,34 @@ def build_tiny_gemma3(
     return _build(path, params, make_config)
 
 
+def build_tiny_qwen3_next(path: str, *, seed: int = 0) -> str:
+    """Create (or reuse) a random Qwen3-Next (``Qwen3NextForCausalLM``) in ``path``: one
+    Gated DeltaNet linear-attention layer, then one full-attention layer, 512 words.
+
+    Saved in bfloat16 with linear-attention head dims of 128: vLLM's CPU kernel for these
+    layers takes nothing else. vLLM needs a sparse-MoE layer in the model, so the second
+    layer's MLP is a tiny MoE. Reuse and determinism as in ``build_tiny_llama``.
+    """
+    params = dict(arch="qwen3_next", seed=seed, dtype="bfloat16", vocab_size=512,
+                  max_position_embeddings=8192)
+
+    def make_config():
+        from transformers import Qwen3NextConfig
+        config = Qwen3NextConfig(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, intermediate_size=128, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, mlp_only_layers=[0],
+            decoder_sparse_step=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, vocab_size=params["vocab_size"],
+            max_position_embeddings=params["max_position_embeddings"],
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+        config.architectures = ["Qwen3NextForCausalLM"]
+        return config
+
+    return _build(path, params, make_config)
+
+
 def _build(path: str, params: dict, make_config: Callable) -> str:
     """Save a random model from ``make_config()`` and the word-level tokenizer into
     ``path``, unless ``path`` already holds one built with ``params``."""
@@ -144,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path")
     parser.add_argument("--gemma3", action="store_true",
                         help="the Gemma-3-style model (only --seed, --dtype, --sliding-window apply)")
+    parser.add_argument("--qwen3-next", action="store_true",
+                        help="the linear-attention hybrid (only --seed applies)")
     parser.add_argument("--sliding-window", type=int, default=64)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=2)
@@ -159,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.pop("gemma3"):
         print(build_tiny_gemma3(path, sliding_window=window, seed=args["seed"],
                                 dtype=args["dtype"]))
+    elif args.pop("qwen3_next"):
+        print(build_tiny_qwen3_next(path, seed=args["seed"]))
     else:
         print(build_tiny_llama(path, **args))
 

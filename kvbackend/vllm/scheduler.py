@@ -28,6 +28,15 @@ from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.manager import KVBackendManager
 
 
+STATE_LAYERS_REFUSAL = (
+    "Mamba / linear-attention (state-space) layers: their state is one running value per "
+    "request, not KV per token, so a hit must resume from that state checkpointed exactly at "
+    "its end; kvbackend keeps no state checkpoints (vLLM's mamba_cache_mode=\"align\" "
+    "keeps one at each block boundary a step ended on), and its token-exact and partial-block "
+    "hits would have none to resume from. Serve such a model with vLLM's own prefix caching "
+    "(enable_prefix_caching=True, without kvbackend)")
+
+
 def unsupported_features(config: VllmConfig,
                          kv_cache_config: KVCacheConfig | None = None) -> list[str]:
     """vLLM features kvbackend cannot serve safely; each is refused at start-up.
@@ -72,13 +81,10 @@ def unsupported_features(config: VllmConfig,
         "non-causal (bidirectional or prefix-LM) attention":
             config.attention_config.use_non_causal
             or (kv_cache_config is not None and _has_non_causal_layers(kv_cache_config)),
-        # Their state is one running value per request, not KV per token: a hit needs a
-        # state checkpoint at its boundary (vLLM's mamba_cache_mode="align"), not kept here.
-        "Mamba / linear-attention (state-space) layers":
-            kv_cache_config is not None and _has_state_layers(kv_cache_config),
+        # What serving them would take: README "Mamba / linear-attention hybrids".
+        STATE_LAYERS_REFUSAL: kv_cache_config is not None and _has_state_layers(kv_cache_config),
         "KV-cache groups with different block sizes (one logical block spans every group)":
-            kv_cache_config is not None
-            and len({g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}) > 1,
+            kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config),
     }
     return [name for name, present in checks.items() if present] + connector_refusals(transfer)
 
@@ -101,6 +107,14 @@ def _has_state_layers(kv_cache_config: KVCacheConfig) -> bool:
     linear attention, compressor ring buffers)."""
     return any(not isinstance(group.kv_cache_spec, _TOKEN_KV_SPECS)
                for group in kv_cache_config.kv_cache_groups)
+
+
+def _has_mixed_block_sizes(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether the per-token KV groups differ in block size. State groups are left out:
+    they are refused on their own, and without vLLM's prefix caching (kvbackend turns it
+    off) their one block per request spans ``max_model_len``."""
+    return len({group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
+                if isinstance(group.kv_cache_spec, _TOKEN_KV_SPECS)}) > 1
 
 
 class KVBackendScheduler(Scheduler):

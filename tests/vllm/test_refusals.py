@@ -25,7 +25,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm import engine_kwargs
-from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
+from kvbackend.testing.tiny_model import build_tiny_qwen3_next
+from kvbackend.vllm.scheduler import (
+    STATE_LAYERS_REFUSAL, KVBackendScheduler, unsupported_features,
+)
 from tests.vllm.conftest import BLOCK_SIZE
 
 REFUSED = "kvbackend cannot serve this configuration"
@@ -67,26 +70,48 @@ def diffusion_model(tiny_model, tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def linear_attention_hybrid(tmp_path_factory) -> str:
+    """A tiny random Qwen3-Next: Gated DeltaNet linear attention + full attention."""
+    return build_tiny_qwen3_next(str(tmp_path_factory.mktemp("tiny-qwen3-next")))
+
+
 START_SCRIPT = """
 import sys
 from vllm import LLM
 from kvbackend.vllm import engine_kwargs
 if __name__ == "__main__":
-    LLM(model=sys.argv[1], dtype="float32", max_model_len=512, enforce_eager=True,
+    LLM(model=sys.argv[1], dtype=sys.argv[2], max_model_len=512, enforce_eager=True,
         block_size=32, kv_cache_memory_bytes=8 << 20, **engine_kwargs())
     print("STARTED")
 """
 
 
-def test_prefix_lm_model_is_refused_at_start(prefix_lm_model, tmp_path):
+def _start_refusal(model: str, dtype: str, tmp_path) -> str:
+    """Start a kvbackend engine on ``model`` in a fresh interpreter, which must fail;
+    return the line of kvbackend's refusal in its stderr."""
     script = tmp_path / "start.py"
     script.write_text(START_SCRIPT)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    done = subprocess.run([sys.executable, str(script), prefix_lm_model], capture_output=True,
+    done = subprocess.run([sys.executable, str(script), model, dtype], capture_output=True,
                           text=True, timeout=START_TIMEOUT_S, env=env, cwd=os.getcwd())
     assert "STARTED" not in done.stdout
     assert done.returncode != 0
-    assert REFUSED in done.stderr and "non-causal" in done.stderr, done.stderr[-3000:]
+    refusals = [line for line in done.stderr.splitlines() if f"ValueError: {REFUSED}" in line]
+    assert refusals, done.stderr[-3000:]
+    return refusals[-1]
+
+
+def test_prefix_lm_model_is_refused_at_start(prefix_lm_model, tmp_path):
+    assert "non-causal" in _start_refusal(prefix_lm_model, "float32", tmp_path)
+
+
+def test_linear_attention_hybrid_is_refused_at_start(linear_attention_hybrid, tmp_path):
+    """vLLM's CPU build runs this model (bfloat16 only), also with its own prefix caching
+    (README); kvbackend refuses it with the state-layer reason alone: the state group's
+    block (``max_model_len`` tokens without vLLM's caching) is not a block-size mismatch."""
+    refusal = _start_refusal(linear_attention_hybrid, "bfloat16", tmp_path)
+    assert refusal.endswith(f"{REFUSED}: {STATE_LAYERS_REFUSAL}"), refusal
 
 
 def _kv_cache_config(num_layers: int = 2) -> KVCacheConfig:
@@ -182,9 +207,11 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
                         block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
     window = _spec(SlidingWindowSpec, sliding_window=64)
     assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), window)) == []
-    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 32),), dtypes=(torch.float32,))
-    assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), mamba)) == [
-        "Mamba / linear-attention (state-space) layers"]
+    for mamba_block_size in (BLOCK_SIZE, 512):  # align mode; no vLLM caching: max_model_len
+        mamba = MambaSpec(block_size=mamba_block_size, shapes=((4, 32),),
+                          dtypes=(torch.float32,))
+        assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), mamba)) == [
+            STATE_LAYERS_REFUSAL]
     wide_window = _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64)
     assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), wide_window)) == [
         "KV-cache groups with different block sizes (one logical block spans every group)"]
