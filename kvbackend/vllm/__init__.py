@@ -34,8 +34,8 @@ def engine_kwargs(kv_transfer_config: Any = None, **config: Any) -> dict[str, An
     the API process (bad values: HTTP 400, or an error from ``LLM.generate``).
     With a host or disk tier configured, kvbackend's tier connector is selected
     as vLLM's KV connector (``kv_transfer_config``); failed tier loads are
-    recomputed, and async scheduling is switched off (why: the manager's
-    docstring). Without a tier vLLM's choice of async scheduling stands.
+    recomputed. vLLM's choice of async scheduling stands (under it every tier hit
+    loads asynchronously: the manager's docstring).
     """
     backend_config = KVBackendConfig.from_dict(config)
     kwargs: dict[str, Any] = {
@@ -46,7 +46,6 @@ def engine_kwargs(kv_transfer_config: Any = None, **config: Any) -> dict[str, An
     }
     if backend_config.tiers_enabled:
         kwargs["kv_transfer_config"] = tier_transfer_config(backend_config)
-        kwargs["async_scheduling"] = False
         if kv_transfer_config is not None:
             from kvbackend.vllm.connectors import compose
             kwargs["kv_transfer_config"] = compose(kwargs["kv_transfer_config"],

@@ -53,11 +53,6 @@ def child_configs(kv_transfer_config: Any) -> list[Any]:
     return [KVTransferConfig(**child) for child in children]
 
 
-def uses_tiers(kv_transfer_config: Any) -> bool:
-    """Whether kvbackend's tier connector is among the connectors run."""
-    return any(is_tier_connector(c) for c in child_configs(kv_transfer_config))
-
-
 def connector_refusals(kv_transfer_config: Any) -> list[str]:
     """Why each connector of ``kv_transfer_config`` cannot run with kvbackend (see the
     module docstring); empty when all can. Loads each connector's class."""
@@ -113,4 +108,4 @@ def compose(tier: dict[str, Any], other: Any) -> dict[str, Any]:
 
 
 __all__ = ["HASH_READERS", "MULTI_CONNECTOR", "child_configs", "compose", "connector_refusals",
-           "is_tier_connector", "transfer_fields", "uses_tiers"]
+           "is_tier_connector", "transfer_fields"]

@@ -180,6 +180,7 @@ class _TrackedRequest:
     sequence: Sequence | None = None
     match: PrefixMatch | None = None  # from get_computed_blocks, consumed at admission
     num_published: int = 0  # tokens handed to the tree so far
+    loading: bool = False  # admitted with a connector load not yet known good: unpublished
     priority: int = 0
     pin: bool = False
     retain_s: float = 0.0  # after the request finishes, keep its context ahead this long
@@ -307,26 +308,30 @@ class KVBackendManager(KVCacheManager):
         first_written = (computed - num_external_computed_tokens) // self.block_size
         self._written_this_step.update(
             seq.block_ids[first_written: cdiv(end, self.block_size)])
-        if not num_external_computed_tokens:  # else: published once the load is known good
+        tracked.loading = bool(num_external_computed_tokens)  # else its load is known good
+        if not tracked.loading:
             self._publish(request, tracked, min(end, request.num_tokens))
         return self._as_blocks(new_block_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publish what is known computed. O(depth + tokens) when it publishes, else O(1)."""
+        """Publish what is known computed (a load's output, failed blocks included, is in).
+        O(depth + tokens) when it publishes, else O(1)."""
         tracked = self._requests.get(request.request_id)
         if tracked is not None and tracked.sequence is not None:
+            tracked.loading = False
             self._publish(request, tracked, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
-        """Publish every computed token (partial tail included), then release; a
-        finished request with ``kv_retain_s`` leaves its context retained.
-        O(depth + tokens + blocks)."""
+        """Publish every computed token (partial tail included; nothing while a load is
+        not known good), then release; a finished request with ``kv_retain_s`` leaves
+        its context retained. O(depth + tokens + blocks)."""
         if self.miss_log is not None:
             self.miss_log.forget(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None or tracked.sequence is None:
             return
-        self._publish(request, tracked, request.num_computed_tokens, force=True)
+        if not tracked.loading:  # e.g. aborted while its load ran: its tokens may be bad
+            self._publish(request, tracked, request.num_computed_tokens, force=True)
         retain_s = tracked.retain_s if tracked.cacheable and request.is_finished() else 0
         self.cache.release(tracked.sequence, retain_s=retain_s)
 

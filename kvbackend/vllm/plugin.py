@@ -130,9 +130,6 @@ def apply_flags(engine_args: Any, backend: str | None, config: dict | None) -> N
         elif name == "kv_transfer_config" and value is not other:
             from vllm.config import KVTransferConfig
             value = KVTransferConfig(**value)
-        elif name == "async_scheduling" and engine_args.async_scheduling:
-            raise ValueError("kvbackend's host/disk/remote tiers do not serve async scheduling; "
-                             "drop --async-scheduling (or the tier keys)")
         setattr(engine_args, name, value)
 
 

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
-from kvbackend.vllm.connectors import connector_refusals, uses_tiers
+from kvbackend.vllm.connectors import child_configs, connector_refusals, is_tier_connector
 from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.manager import KVBackendManager
 
@@ -62,14 +62,12 @@ def unsupported_features(config: VllmConfig,
         "decode/prefill context parallelism": (
             parallel.decode_context_parallel_size > 1
             or getattr(parallel, "prefill_context_parallel_size", 1) > 1),
-        # Failed tier loads are reported after the next step is scheduled: the manager docstring.
-        "async scheduling together with host/disk/remote tiers (pass --no-async-scheduling)":
-            bool(sched.async_scheduling) and uses_tiers(transfer),
-        # vLLM then defers block frees (pop_blocks_for_free), see the manager's docstring.
+        # vLLM then defers block frees (pop_blocks_for_free), see the manager's docstring;
+        # kvbackend's own tier connector loads in step order and needs no deferral.
         "async scheduling together with a KV connector that loads (kv_role kv_consumer or "
         "kv_both; pass --no-async-scheduling)":
-            bool(sched.async_scheduling) and transfer is not None and transfer.is_kv_consumer
-            and not uses_tiers(transfer),
+            bool(sched.async_scheduling) and any(
+                c.is_kv_consumer and not is_tier_connector(c) for c in child_configs(transfer)),
         "priority scheduling (use the default fcfs policy)": sched.policy != "fcfs",
         "encoder-decoder models": model.is_encoder_decoder,
         # vLLM picks its DiffusionScheduler only when no scheduler class is set.
@@ -167,3 +165,10 @@ class KVBackendScheduler(Scheduler):
 class KVBackendAsyncScheduler(KVBackendScheduler, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with kvbackend's KV-cache manager (see the manager's
     docstring for what "computed" means while a step is in flight)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM defers block frees for any connector that loads (``pop_blocks_for_free``,
+        # not served); the only one served here is kvbackend's tier connector (others are
+        # refused above), whose loads run in step order: frees need no deferral.
+        self.defer_block_free = False

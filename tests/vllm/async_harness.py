@@ -12,9 +12,18 @@ async scheduling off the same harness runs one step at a time.
 does: block tables from the output (full lists for new and resumed requests,
 appended ids otherwise), then the step's block copies, then every scheduled
 token's KV write, then every read. A KV slot holds the id of the token prefix
-whose KV it stores (``PrefixIds``: one int per distinct prefix, exact, no hash).
+whose KV it stores (``PrefixIds``: one int per distinct prefix, exact, no hash),
+in a real KV tensor (vLLM's CPU layout): with kvbackend's tiers configured, the
+worker-role tier connector (real ``TierWorker``, ``HostTier``, ``DiskTier``) moves
+those bytes in the model runner's order (loads before the forward pass when the
+step has synchronous ones, else after it; saves after it; then finished loads and
+load errors into the step's ``KVConnectorOutput``). ``check_published`` matches
+every request's tokens against the prefix tree and checks each published slot
+holds that prefix: a block whose load failed is never published.
 A scheduled request reads every position before its last scheduled one; each
-must hold that request's own prefix, so any hit on a block that was not (yet)
+must hold that request's own prefix (except a block whose synchronous load failed
+in that very step: vLLM must then discard the step's output, which here is
+``POISON``, a token ``deliver`` refuses), so any hit on a block that was not (yet)
 written, was overwritten by another request, or copied before it was written
 fails at once. Sampled tokens are a fixed function of (request, position), so
 the tokens the scheduler appends later are the ones the worker already used.
@@ -26,16 +35,21 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.scheduler import KVBackendScheduler
 
 MAX_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling (no PP)
 VOCAB = 50
+POISON = VOCAB  # sampled from KV that failed to load: never a token the model samples
+NUM_KV_HEADS, HEAD_SIZE = 1, 8  # the synthetic KV cache: one layer "attn"
 
 
 def async_config(model: str, *, block_size: int, max_num_batched_tokens: int,
@@ -70,6 +84,14 @@ class PrefixIds:
     def extend(self, parent: int, token: int) -> int:
         return self._ids.setdefault((parent, token), len(self._ids) + 1)
 
+    def of(self, tokens) -> list[int]:
+        """The id of ``tokens[:p + 1]`` for every position p. O(len(tokens))."""
+        ids, parent = [], 0
+        for token in tokens:
+            parent = self.extend(parent, int(token))
+            ids.append(parent)
+        return ids
+
 
 @dataclass
 class _WorkerRequest:
@@ -79,14 +101,22 @@ class _WorkerRequest:
 
 
 class ContentWorker:
-    """The model runner, reduced to which token prefix each KV slot holds."""
+    """The model runner, reduced to which token prefix each KV slot holds (0: none).
+    ``connector``: the worker-role tier connector, or None."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int, connector=None) -> None:
         self.block_size = block_size
-        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> prefix id
+        # vLLM's CPU layout [K/V, block, head, offset, dim]; every value of a slot is its id
+        self.kv = torch.zeros(2, num_blocks, NUM_KV_HEADS, block_size, HEAD_SIZE)
         self.prefixes = PrefixIds()
         self.requests: dict[str, _WorkerRequest] = {}
         self.prompts: dict[str, list[int]] = {}
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches({"attn": self.kv})
+
+    def slot(self, block_id: int, offset: int) -> int:
+        return int(self.kv[0, block_id, 0, offset, 0])
 
     def token(self, request_id: str, position: int) -> int:
         prompt = self.prompts[request_id]
@@ -100,8 +130,12 @@ class ContentWorker:
             ids.append(self.prefixes.extend(parent, self.token(request_id, len(ids))))
         return ids[position]
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the first position each scheduled request computed."""
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], set[str],
+                                                     KVConnectorOutput | None]:
+        """Run one step; returns the first position each scheduled request computed, the
+        requests that read a block whose synchronous load failed in this very step (vLLM
+        discards their output: they sample ``POISON``) and the tier connector's output
+        (None when empty, as the model runner sends it)."""
         for request_id in out.finished_req_ids | (out.preempted_req_ids or set()):
             self.requests.pop(request_id, None)
         starts: dict[str, int] = {}
@@ -120,9 +154,13 @@ class ContentWorker:
             starts[request_id] = cached.num_computed_tokens[i]
         bs = self.block_size
         for copy in out.kv_cache_block_copies or ():
-            for offset in range(bs):
-                held = self.slots.get((copy.src_block_id, offset))
-                self.slots[(copy.dst_block_id, offset)] = held
+            self.kv[:, copy.dst_block_id] = self.kv[:, copy.src_block_id]
+        connector, failed = self.connector, set()
+        if connector is not None:
+            connector.bind_connector_metadata(out.kv_connector_metadata)
+            if out.has_sync_kv_loads:
+                connector.start_load_kv(None)
+                failed = connector.get_block_ids_with_load_errors()
         written: dict[tuple[int, int], str] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             blocks = self.requests[request_id].blocks
@@ -132,31 +170,57 @@ class ContentWorker:
                 slot = (blocks[p // bs], p % bs)
                 assert written.setdefault(slot, request_id) == request_id, (
                     f"step writes slot {slot} for {written[slot]} and {request_id}")
-                self.slots[slot] = self.prefix_id(request_id, p)
+                self.kv[:, slot[0], :, slot[1]] = self.prefix_id(request_id, p)
+        poisoned = set()
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             blocks = self.requests[request_id].blocks
             for p in range(starts[request_id] + num_tokens):
-                held = self.slots.get((blocks[p // bs], p % bs))
+                if blocks[p // bs] in failed:
+                    poisoned.add(request_id)
+                    continue
+                held = self.slot(blocks[p // bs], p % bs)
                 assert held == self.prefix_id(request_id, p), (
                     f"{request_id} reads position {p} (block {blocks[p // bs]}), which holds "
                     f"KV of another prefix or none (computed from {starts[request_id]})")
-        return starts
+        if connector is None:
+            return starts, poisoned, None
+        if not out.has_sync_kv_loads:
+            connector.start_load_kv(None)
+        connector.wait_for_save()
+        _, finished_recving = connector.get_finished(out.finished_req_ids)
+        failed |= connector.get_block_ids_with_load_errors()
+        result = KVConnectorOutput(finished_recving=finished_recving or set(),
+                                   invalid_block_ids=failed)
+        connector.clear_connector_metadata()
+        return starts, poisoned, None if result.is_empty() else result
+
+
+def tier_gb(vllm_config, num_blocks: int) -> float:
+    """``host_cache_gb`` for a host tier of ``num_blocks`` blocks of the synthetic cache."""
+    block_size = vllm_config.cache_config.block_size
+    return num_blocks * 2 * NUM_KV_HEADS * block_size * HEAD_SIZE * 4 / (1 << 30)
 
 
 class AsyncHarness:
-    """kvbackend's async scheduler, a ``ContentWorker`` and the outputs in flight."""
+    """kvbackend's async scheduler, a ``ContentWorker`` and the outputs in flight.
+    ``tiers``: the tier connector's settings (``kv_connector_extra_config``) when
+    ``vllm_config`` selects it."""
 
-    def __init__(self, vllm_config, *, num_blocks: int) -> None:
+    def __init__(self, vllm_config, *, num_blocks: int, tiers: dict | None = None) -> None:
         vllm_config.cache_config.num_gpu_blocks = num_blocks
+        if tiers is not None:
+            vllm_config.kv_transfer_config.kv_connector_extra_config = dict(tiers)
         block_size = vllm_config.cache_config.block_size
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
-                                 dtype=torch.float32)
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                                 head_size=HEAD_SIZE, dtype=torch.float32)
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)])
         self.scheduler = KVBackendScheduler(
             vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
             structured_output_manager=StructuredOutputManager(vllm_config))
-        self.worker = ContentWorker(block_size)
+        connector = None if tiers is None else KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        self.worker = ContentWorker(block_size, num_blocks, connector)
         self.requests: dict[str, Request] = {}
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
@@ -172,28 +236,64 @@ class AsyncHarness:
         """Schedule and run one step; its output waits in ``in_flight``."""
         assert len(self.in_flight) < self.max_in_flight
         out = self.scheduler.schedule()
-        starts = self.worker.execute(out)
+        starts, poisoned, connector_output = self.worker.execute(out)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for request_id in ids:
             request = self.scheduler.requests[request_id]
             end = starts[request_id] + out.num_scheduled_tokens[request_id]
-            sampled.append([] if request.is_prefill_chunk
-                           else [generated_token(request_id, end)])
+            token = POISON if request_id in poisoned else generated_token(request_id, end)
+            sampled.append([] if request.is_prefill_chunk else [token])
         self.in_flight.append((out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled)))
+            sampled_token_ids=sampled, kv_connector_output=connector_output)))
+        self.check_published()
         return out
 
     def deliver(self) -> None:
         """Feed back the oldest step's output, as the engine core does."""
         out, result = self.in_flight.pop(0)
         self.scheduler.update_from_output(out, result)
+        self.check_published()
         for request_id in out.num_scheduled_tokens:
             request = self.requests[request_id]
             for p in range(request.num_prompt_tokens, request.num_tokens):
                 assert request.all_token_ids[p] == generated_token(request_id, p), (
                     f"{request_id}: position {p} holds a token the model did not sample")
 
+    def run_to_end(self, max_steps: int = 200) -> None:
+        """Schedule and deliver, keeping the batch queue full, until no request is left."""
+        for _ in range(max_steps):
+            unfinished = self.scheduler.has_unfinished_requests()
+            if self.in_flight and (len(self.in_flight) == self.max_in_flight or not unfinished):
+                self.deliver()
+            elif unfinished:
+                self.schedule()
+            else:
+                return
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def host_mirror_is_the_host_tier(self) -> bool:
+        """Whether the tier planner's host mirror names exactly what the worker's host
+        tier holds, once every step's output is in. O(host blocks)."""
+        planner = self.scheduler.connector.planner
+        clear, drops = planner.pending_host_changes()
+        host = self.worker.connector.worker.mover.host
+        held = set() if clear else set(host.keys_lru()) - set(drops)
+        return held == set(planner.host.keys())
+
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def check_published(self) -> None:
+        """Every published slot on every request's path holds that path's prefix (every
+        step scheduled so far has run). O(requests * tokens)."""
+        manager, bs = self.scheduler.kv_cache_manager, self.worker.block_size
+        for request_id, request in self.requests.items():
+            tokens = list(request.all_token_ids)
+            match = manager.cache.match(tokens, request_namespace(request), touch=False)
+            ids = self.worker.prefixes.of(tokens[:match.num_tokens])
+            for p, prefix_id in enumerate(ids):
+                block_id = match.block_ids[p // bs]
+                assert self.worker.slot(block_id, p % bs) == prefix_id, (
+                    f"published block {block_id} does not hold {request_id}'s position {p}")

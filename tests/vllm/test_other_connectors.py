@@ -123,12 +123,20 @@ def test_connectors_that_read_vllms_block_hashes_or_pool_are_refused(config, tmp
 
 
 def test_async_scheduling_is_refused_with_a_connector_that_loads(config, tmp_path):
+    """Other than kvbackend's tier connector (its loads run in step order), alone or
+    composed after the tiers."""
     example = example_connector(str(tmp_path))
-    assert unsupported_features(with_connector(config, True, **example)) == [
-        "async scheduling together with a KV connector that loads (kv_role kv_consumer or "
-        "kv_both; pass --no-async-scheduling)"]
+    refused = ["async scheduling together with a KV connector that loads (kv_role "
+               "kv_consumer or kv_both; pass --no-async-scheduling)"]
+    assert unsupported_features(with_connector(config, True, **example)) == refused
     saving_only = {**example, "kv_role": "kv_producer"}  # its saves run inside the step
     assert unsupported_features(with_connector(config, True, **saving_only)) == []
+    tiers = engine_kwargs(host_cache_gb=1)["kv_transfer_config"]
+    assert unsupported_features(with_connector(config, True, **tiers)) == []
+    assert unsupported_features(with_connector(config, True, **compose(tiers, example))) == (
+        refused)
+    assert unsupported_features(
+        with_connector(config, True, **compose(tiers, saving_only))) == []
 
 
 def test_compose_puts_the_tier_connector_first_and_flattens_a_multi_connector(tmp_path):

@@ -48,13 +48,11 @@ def test_selected_sets_scheduler_and_config():
     assert args.kv_transfer_config is None  # no tier keys: no connector
 
 
-def test_tiers_turn_async_scheduling_off_and_refuse_it_when_asked_for():
+def test_tiers_leave_async_scheduling_to_vllm():
     register()
     tiers = ["--kv-backend", "kvbackend", "--kv-backend-config", '{"host_cache_gb": 1}']
-    assert parse(ARGV + tiers).async_scheduling is False
-    with pytest.raises(ValueError, match="tiers do not serve async scheduling"):
-        parse(ARGV + tiers + ["--async-scheduling"])
-    assert parse(ARGV + tiers[:2] + ["--async-scheduling"]).async_scheduling is True
+    assert parse(ARGV + tiers).async_scheduling is None  # vLLM decides (on a GPU: on)
+    assert parse(ARGV + tiers + ["--async-scheduling"]).async_scheduling is True
 
 
 def test_kv_transfer_config_is_composed_with_the_tiers():

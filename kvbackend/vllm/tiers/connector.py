@@ -9,9 +9,9 @@ class only adapts vLLM's calls to the part of its role:
     ``prefetch`` (called by ``KVBackendScheduler.add_request``) -> ``prefetch``:
     a waiting request's disk blocks are read into host memory after the next step,
     ``get_num_new_matched_tokens`` -> ``lookup`` (host and disk hits load
-    synchronously, a hit with remote blocks asynchronously: ``loads_async``; prompts
-    with multimodal inputs or embeddings are never looked up: token ids do not name
-    their KV), ``update_state_after_alloc`` -> ``allocated``,
+    synchronously, a hit with remote blocks, or any hit under async scheduling,
+    asynchronously: ``loads_async``; prompts with multimodal inputs or embeddings
+    are never looked up: token ids do not name their KV), ``update_state_after_alloc`` -> ``allocated``,
     ``get_external_cache_hit_sources`` -> vLLM's ``CacheHitSource`` per tier,
     ``build_connector_meta`` -> ``plan_step`` (the orders travel as ``TierMetadata``),
     ``update_connector_output`` -> ``step_finished`` (``kv_load_failure_policy``
@@ -158,7 +158,10 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                            (lambda keys: _held_by_all(remotes, keys)) if remotes else None,
                            max(1, REMOTE_STEP_BYTES // max(1, self.block_nbytes)),
                            max_retained=int(capacity * retained_fraction),
-                           prefetch_step_blocks=PREFETCH_STEP_BYTES // max(1, self.block_nbytes))
+                           prefetch_step_blocks=PREFETCH_STEP_BYTES // max(1, self.block_nbytes),
+                           max_steps_in_flight=self._vllm_config.max_concurrent_batches,
+                           all_loads_async=bool(
+                               self._vllm_config.scheduler_config.async_scheduling))
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""

@@ -65,11 +65,18 @@ identity). Calls, in vLLM's order within a step:
   ``reset``             after a weight update: a new key epoch, the host tiers cleared,
                         the disk and remote tiers off for the rest of the process.
 
-The planner assumes vLLM's synchronous scheduling (kvbackend refuses async
-scheduling): a step's orders have run, and its failures are reported, before the
-next step is planned. The exception is the remote blocks of ``async_loads``: their
-failures arrive with their request's finish report, steps later; no such block
-is in the mirror, so there is nothing to drop, and vLLM recomputes them.
+Steps in flight: under vLLM's async scheduling step N+1 is planned before step N's
+failures are reported, so the loads of the last ``max_steps_in_flight`` planned
+steps are kept, oldest first; a report matches the failed block ids against all of
+them (a block id that two of them load is dropped under both keys: a drop is always
+safe) and retires the oldest. A step whose output carries nothing for the connector
+is never reported: planning a step beyond ``max_steps_in_flight`` retires it.
+With ``all_loads_async`` (async scheduling) every hit loads asynchronously: vLLM
+parks the request until its load step's output, failures included, is in, so no
+step computes on a load not yet known good (see ``kvbackend/vllm/manager.py``).
+The remote blocks of ``async_loads`` report their failures with their request's
+finish report, steps later; no such block is in the mirror, so there is nothing to
+drop, and vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -128,7 +135,9 @@ class TierPlanner:
     blocks one step loads from it; ``prefetch_step_blocks``: the most blocks one step
     prefetches from disk into host (0: no prefetch). ``host_capacity``: blocks each
     worker's host tier holds, at most ``max_retained`` of them retained; ``clock``
-    (seconds) times retentions.
+    (seconds) times retentions. ``max_steps_in_flight``: steps planned before the oldest
+    one's output is in (vLLM's ``max_concurrent_batches``: 2 with async scheduling);
+    ``all_loads_async``: every hit loads asynchronously (async scheduling).
 
     Invariants (``check_invariants``):
       * the mirror's own (``HostMirror.check_invariants``);
@@ -141,7 +150,8 @@ class TierPlanner:
       * this step's remote loads stay within ``remote_step_blocks``;
       * the queued prefetches, at most ``prefetch_step_blocks``, are arriving, unpinned
         mirror keys of known requests, and only while the disk is on;
-      * a request listed for an asynchronous load had a remote hit in its lookup.
+      * a request listed for an asynchronous load had a remote hit in its lookup, or
+        every load is asynchronous.
     """
 
     def __init__(self, block_size: int, key_digest: str, host_capacity: int,
@@ -149,9 +159,13 @@ class TierPlanner:
                  remote_contains: Callable[[list[str]], int] | None = None,
                  remote_step_blocks: int = 0, max_retained: int = 0,
                  clock: Callable[[], float] = time.monotonic,
-                 prefetch_step_blocks: int = 0) -> None:
+                 prefetch_step_blocks: int = 0, max_steps_in_flight: int = 1,
+                 all_loads_async: bool = False) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(max_steps_in_flight, int) or max_steps_in_flight <= 0:
+            raise ValueError(f"max_steps_in_flight must be a positive int, "
+                             f"got {max_steps_in_flight!r}")
         self.block_size = block_size
         self.base_digest = self.key_digest = key_digest
         self.epoch = 0
@@ -165,7 +179,9 @@ class TierPlanner:
         self._step_remote = 0  # remote loads planned for the step being scheduled
         self._requests: dict[str, _Request] = {}
         self._step_loads: dict[str, _Loads] = {}  # planned for the step being scheduled
-        self._in_flight: dict[str, _Loads] = {}  # sent with the last step, until it finished
+        self.all_loads_async = all_loads_async
+        # Per step sent and not known finished, oldest first: request -> its loads.
+        self._in_flight: deque[dict[str, _Loads]] = deque(maxlen=max_steps_in_flight)
         self._loads: list[LoadOrder] = []
         self._failed: list[int] = []
         self._async: dict[str, None] = {}  # requests admitted with an asynchronous load
@@ -207,7 +223,6 @@ class TierPlanner:
         (0 unless that is block-aligned). ``tokens`` is the request's live token list.
         O(new tokens) to extend its keys, plus O(1) per hit block and a stat per rank
         per disk block probed."""
-        self._in_flight.clear()  # the last step finished without a failure report
         st = self._requests.get(request_id)
         if st is None:
             st = self._requests[request_id] = _Request(tokens, namespace)
@@ -237,12 +252,13 @@ class TierPlanner:
         for key in pinned:
             self.host.pin(key)
         st.lookup = _Lookup(start, sources, pinned)
-        st.load_async = Source.REMOTE in sources
+        st.load_async = self.all_loads_async or Source.REMOTE in sources
         return len(sources) * bs
 
     def loads_async(self, request_id: str) -> bool:
-        """Whether the request's last lookup offered remote blocks: vLLM then loads its
-        hit asynchronously (the request waits; the others' steps go on). O(1)."""
+        """Whether the request's last lookup offered remote blocks (or every load is
+        asynchronous): vLLM then loads its hit asynchronously (the request waits; the
+        others' steps go on). O(1)."""
         st = self._requests.get(request_id)
         return st is not None and st.load_async
 
@@ -252,7 +268,6 @@ class TierPlanner:
         ``num_external_tokens`` of its last lookup's hit: a load order per block.
         Adopting more than that lookup offered is a bug: the request's blocks are
         then reported as failed loads, and vLLM recomputes them. O(adopted blocks)."""
-        self._in_flight.clear()
         st = self._requests.get(request_id)
         lookup = st.lookup if st is not None else None
         if st is not None:
@@ -315,7 +330,6 @@ class TierPlanner:
         """The orders of the step being scheduled. O(scheduled requests + blocks to
         consider), plus O(new tokens) to extend keys, and O(log n) per retention that
         ends."""
-        self._in_flight.clear()
         self.host.expire(self.clock())
         saves: list[SaveOrder] = []
         for request in scheduled:
@@ -336,7 +350,8 @@ class TierPlanner:
         orders = StepOrders(self._clear_host, self._disk_off, tuple(self._drops), tuple(loads),
                             tuple(self._failed), tuple(saves), tuple(self._async), prefetches)
         self._prefetches.clear()
-        self._in_flight, self._step_loads = self._step_loads, {}
+        self._in_flight.append(self._step_loads)  # retires the oldest beyond the bound
+        self._step_loads = {}
         self._loads, self._failed, self._drops, self._async = [], [], [], {}
         self._clear_host = self._disk_off = False
         self._step_remote = 0
@@ -344,13 +359,16 @@ class TierPlanner:
         return orders
 
     def step_finished(self, failed_block_ids: Collection[int]) -> None:
-        """The last step ran; ``failed_block_ids`` failed to load on at least one rank.
-        O(loads of that step)."""
-        in_flight, self._in_flight = self._in_flight, {}
+        """The oldest step in flight ran; ``failed_block_ids`` failed to load on at least
+        one rank (matched against every step in flight: see the module docstring).
+        O(loads of the steps in flight)."""
+        in_flight = [item for step in self._in_flight for item in step.items()]
+        if self._in_flight:
+            self._in_flight.popleft()
         if not failed_block_ids:
             return
         failed = set(failed_block_ids)
-        for request_id, loads in in_flight.items():
+        for request_id, loads in in_flight:
             bad = [key for block_id, key in loads.blocks.items() if block_id in failed]
             for key in bad:  # gone or corrupt on some rank; a rank that loaded it drops it
                 if self.host.remove(key):
