@@ -27,15 +27,17 @@ hit, which vLLM makes block-aligned whenever an external hit exists (it drops
 a partial device tail, so no copy-on-write block is ever overwritten by a
 load). They count as computed once loaded, but a load can fail (a missing or
 corrupted block), and vLLM learns that only after the step ran. So a request
-that loads is *not* published to the tree in its admission step; its next
-``allocate_slots`` (or ``free``) publishes what is then known to be computed:
-vLLM has by then cut ``num_computed_tokens`` back to the first failed block
+that loads is *not* published to the tree (``loading``) until its load step's
+output is in: then ``cache_blocks``, or with synchronous scheduling its next
+``allocate_slots``, publishes what is known computed: vLLM has by then cut
+``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
-the same blocks. Nothing another request can match ever comes from a failed load.
-An asynchronous load (``delay_cache_blocks``: a remote hit or another connector's
-load; the request waits in WAITING_FOR_REMOTE_KVS) is not published either; vLLM
-calls ``cache_blocks`` with the tokens known good once the workers report it done,
-or ``free`` if none are.
+the same blocks. ``free`` before that (aborted while loading) publishes nothing.
+Nothing another request can match ever comes from a failed load. An asynchronous
+load (``delay_cache_blocks``: a remote hit, any tier hit under async scheduling, or
+another connector's load; the request waits in WAITING_FOR_REMOTE_KVS) is published
+by ``cache_blocks``, which vLLM calls with the tokens known good once the workers
+report it done (or ``free`` if none are).
 
 Speculative decoding (n-gram, suffix, Medusa, MLP speculators, draft models):
 ``num_new_tokens`` counts the draft tokens and ``num_lookahead_tokens`` the
@@ -84,27 +86,23 @@ attention that reads it. Hence:
   writes in step N+1 or later, after step N's writes. vLLM defers frees
   (``pop_blocks_for_free``, not served) for every connector whose
   ``kv_role`` loads, since one may load outside the step order (NIXL); such
-  connectors are refused with async scheduling at start.
-  ``tests/vllm/test_async_scheduling.py`` checks every read of every step
-  against the token prefix its slot holds.
+  connectors are refused with async scheduling at start, except kvbackend's
+  tier connector, whose loads run in the order of the steps that carry them
+  (``KVBackendAsyncScheduler`` turns ``defer_block_free`` off).
+- *tier loads* (kvbackend's host/disk/remote tiers): a load fails (a rotted or
+  evicted disk file) and vLLM learns it with the step's output, after step N+1
+  was scheduled. A synchronous load would let step N+1 compute on it (vLLM 0.32
+  then appends that step's token and keeps its placeholder: a wrong output), so
+  under async scheduling every tier hit loads asynchronously: the request waits
+  in WAITING_FOR_REMOTE_KVS while its load step runs, and is published by
+  ``cache_blocks`` and scheduled only once that step's output, failed blocks
+  included, is in (one step later than a synchronous load). ``TierPlanner``
+  keeps the loads of every step in flight, so step N's failure report still
+  takes a failed block out of its host mirror after step N+1 was planned.
 
-Async scheduling stays refused with kvbackend's tiers, although their loads
-(``start_load_kv``) and saves (``wait_for_save``) run inside their step, in
-step order, for three reasons, each a change of its own:
-
-- a loading request is published at its next ``allocate_slots``, which must
-  come after the loading step's output (its failed blocks); with async
-  scheduling it comes one step earlier, so a block whose load failed could be
-  published and hit. Fix: publish loads from ``cache_blocks``, which the async
-  scheduler calls once an output (and its ``invalid_block_ids``) is in;
-- ``TierPlanner`` keeps only the last planned step's loads (``_in_flight``,
-  cleared by the next lookup or plan) for ``step_finished``, so step N's
-  failure report, arriving after step N+1 was planned, would leave a failed
-  block in the host mirror. Fix: a queue of in-flight steps' loads;
-- vLLM defers frees for the tier connector (``kv_role`` "kv_both"), which
-  needs ``pop_blocks_for_free``; the tier connector needs no deferral (its
-  loads are in step order), so ``KVBackendAsyncScheduler`` could turn
-  ``defer_block_free`` off when it runs alone.
+``tests/vllm/test_async_scheduling.py`` checks every read of every step against
+the token prefix its slot holds, and, with host and disk tiers whose files are
+damaged, that every published slot holds its prefix.
 
 vLLM's ``KVCacheManager`` surface (``tests/vllm/test_manager_surface.py`` fails
 when vLLM adds a public member that this table does not name):
@@ -113,8 +111,8 @@ when vLLM adds a public member that this table does not name):
     get_computed_blocks                overridden  token-exact tree match
     allocate_slots                     overridden  open / extend a sequence, publish
     free                               overridden  publish, then release
-    cache_blocks                       overridden  publish what is known computed (after a
-                                                   failed load; after async outputs)
+    cache_blocks                       overridden  publish what is known computed (once a
+                                                   load's output is in; after async outputs)
     get_blocks                         overridden  the sequence's block table
     estimate_cached_tokens             overridden  tokens under the locked node
     usage                              overridden  held blocks of kvbackend's pool

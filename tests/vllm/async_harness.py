@@ -13,20 +13,22 @@ does: block tables from the output (full lists for new and resumed requests,
 appended ids otherwise), then the step's block copies, then every scheduled
 token's KV write, then every read. A KV slot holds the id of the token prefix
 whose KV it stores (``PrefixIds``: one int per distinct prefix, exact, no hash),
-in a real KV tensor (vLLM's CPU layout): with kvbackend's tiers configured, the
-worker-role tier connector (real ``TierWorker``, ``HostTier``, ``DiskTier``) moves
-those bytes in the model runner's order (loads before the forward pass when the
-step has synchronous ones, else after it; saves after it; then finished loads and
-load errors into the step's ``KVConnectorOutput``). ``check_published`` matches
-every request's tokens against the prefix tree and checks each published slot
-holds that prefix: a block whose load failed is never published.
-A scheduled request reads every position before its last scheduled one; each
-must hold that request's own prefix (except a block whose synchronous load failed
-in that very step: vLLM must then discard the step's output, which here is
-``POISON``, a token ``deliver`` refuses), so any hit on a block that was not (yet)
-written, was overwritten by another request, or copied before it was written
-fails at once. Sampled tokens are a fixed function of (request, position), so
-the tokens the scheduler appends later are the ones the worker already used.
+in a real KV tensor (vLLM's CPU layout). A scheduled request reads every position
+before its last scheduled one; each must hold that request's own prefix (except a
+block whose synchronous load failed in that very step: vLLM must then discard the
+step's output, which here is ``POISON``, a token ``deliver`` refuses), so any hit on
+a block that was not (yet) written, was overwritten by another request, or copied
+before it was written fails at once. Sampled tokens are a fixed function of
+(request, position), so the tokens the scheduler appends later are the ones the
+worker already used.
+
+With kvbackend's tiers configured, the worker-role tier connector (real
+``TierWorker``, ``HostTier``, ``DiskTier``) moves those bytes in the model runner's
+order: loads before the forward pass when the step has synchronous ones, else after
+it; saves after it; then finished loads and load errors into the step's
+``KVConnectorOutput``. ``check_published``, after every step and every output,
+matches every request's tokens against the prefix tree and checks each published
+slot holds that prefix: no block of a failed load is ever published.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ class only adapts vLLM's calls to the part of its role:
     ``get_num_new_matched_tokens`` -> ``lookup`` (host and disk hits load
     synchronously, a hit with remote blocks, or any hit under async scheduling,
     asynchronously: ``loads_async``; prompts with multimodal inputs or embeddings
-    are never looked up: token ids do not name their KV), ``update_state_after_alloc`` -> ``allocated``,
+    are never looked up: token ids do not name their KV),
+    ``update_state_after_alloc`` -> ``allocated``,
     ``get_external_cache_hit_sources`` -> vLLM's ``CacheHitSource`` per tier,
     ``build_connector_meta`` -> ``plan_step`` (the orders travel as ``TierMetadata``),
     ``update_connector_output`` -> ``step_finished`` (``kv_load_failure_policy``
