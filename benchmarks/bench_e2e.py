@@ -14,8 +14,13 @@ What is measured
                     block size 128, so it reuses the block-aligned part of the prompt)
         kvbackend   **kvbackend.vllm.engine_kwargs() (token-exact; block size 128)
 
-    None sets async scheduling: each runs with vLLM's own choice (on a GPU build: on, for
-    kvbackend too; the CPU build turns it off), reported per engine.
+    ``--async-scheduling on|off`` sets vLLM's ``async_scheduling`` for all three alike
+    (``engine_kwargs()`` without a tier leaves it alone, so kvbackend runs under the
+    same setting, with its ``KVBackendAsyncScheduler`` when on); ``default`` (the
+    default) leaves vLLM's own choice (a GPU build: on; the CPU build: off). Each
+    engine's setting as vLLM settled it is reported, and a run stops if it is not
+    the one asked for. ``--dry-run`` prints each engine's keyword arguments and
+    starts nothing.
     All run with enforce_eager=True and a KV cache sized so the whole batch fits
     without prefix sharing (``kv_cache_memory_bytes``). Before the timed batch each
     engine serves one unrelated short prompt (warm-up; it shares no token with the
@@ -34,6 +39,7 @@ Run (from the repository root)
     .venv/bin/python benchmarks/bench_e2e.py --quick     # 1000-token system prompt, 8 questions,
                                                           # hidden 256, 4 layers
     .venv/bin/python benchmarks/bench_e2e.py --engines vllm-apc,kvbackend --json out.json
+    .venv/bin/python benchmarks/bench_e2e.py --async-scheduling on   # a GPU build, e.g.
 """
 
 from __future__ import annotations
@@ -80,10 +86,8 @@ def kv_cache_bytes(params: dict, args) -> int:
     return -(-int(1.25 * tokens * per_token) // (1 << 20)) << 20
 
 
-def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int) -> dict:
-    import vllm
-    from vllm import SamplingParams
-
+def engine_kwargs(mode: str, model_dir: str, args, kv_bytes: int) -> dict:
+    """The ``vllm.LLM`` keyword arguments of engine ``mode``."""
     import kvbackend.vllm
 
     max_len = args.system_tokens + args.question_tokens + args.output_tokens + 256
@@ -93,10 +97,28 @@ def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int) ->
         kwargs.update(kvbackend.vllm.engine_kwargs())
     else:
         kwargs["enable_prefix_caching"] = mode == "vllm-apc"
+    if args.async_scheduling != "default":
+        wanted = args.async_scheduling == "on"
+        if kwargs.get("async_scheduling", wanted) != wanted:
+            raise SystemExit(f"{mode}: its engine arguments set async_scheduling="
+                             f"{kwargs['async_scheduling']}, --async-scheduling asks {wanted}")
+        kwargs["async_scheduling"] = wanted
+    return kwargs
+
+
+def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int) -> dict:
+    import vllm
+    from vllm import SamplingParams
+
     t0 = time.perf_counter()
-    llm = vllm.LLM(**kwargs)
+    llm = vllm.LLM(**engine_kwargs(mode, model_dir, args, kv_bytes))
     startup = time.perf_counter() - t0
     async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+    if args.async_scheduling != "default" and async_scheduling != (args.async_scheduling == "on"):
+        llm.llm_engine.engine_core.shutdown()
+        raise SystemExit(f"{mode}: vLLM settled async scheduling "
+                         f"{'on' if async_scheduling else 'off'}, --async-scheduling asked "
+                         f"{args.async_scheduling}")
     try:
         params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
         llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
@@ -130,6 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", help="where to build / reuse the random model "
                         "(default: /tmp/kvbackend-bench-e2e-<size>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-scheduling", choices=("on", "off", "default"),
+                        default="default",
+                        help="vLLM's async_scheduling for every engine (default: vLLM's choice)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each engine's keyword arguments; start no engine")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.system_tokens is None:
@@ -149,6 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     build_tiny_llama(model_dir, max_position_embeddings=8192, **params)
     system, prompts, warm = make_prompts(args, params["vocab_size"])
     kv_bytes = kv_cache_bytes(params, args)
+    if args.dry_run:
+        for mode in engines:
+            print(f"{mode}: {engine_kwargs(mode, model_dir, args, kv_bytes)}")
+        return
     print(f"model {params}; KV cache {kv_bytes >> 20} MiB; "
           f"{args.questions} x ({args.system_tokens} shared + {args.question_tokens}) tokens, "
           f"{args.output_tokens} output tokens each", flush=True)
