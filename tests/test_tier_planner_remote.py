@@ -5,7 +5,7 @@ test_store_remote_tier.py and inside vLLM in tests/vllm/test_remote_tier.py.)"""
 from __future__ import annotations
 
 from kvbackend.store import compute_block_keys
-from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
+from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, TierFact
 from kvbackend.vllm.tiers.planner import TierPlanner
 
 BS = 4
@@ -109,3 +109,21 @@ def test_an_unadopted_remote_hit_is_no_async_load():
     p.allocated("r", list(range(1, 12)), 0)  # vLLM took none of it (e.g. a local hit won)
     assert p.plan_step([]).async_loads == ()
     p.check_invariants()
+
+
+def test_what_lookups_and_loads_learn_of_disk_and_remote_keys_is_told_for_kv_events():
+    """The keys a lookup found missing (the first after each tier's run), the keys a
+    load reads from disk or the remote tier (with the block they fill), and the keys
+    of failed loads (gone from both, as far as the scheduler knows), in that order."""
+    remote = Remote(KEYS[2:5])
+    p = planner(remote, on_disk=KEYS[:2])
+    assert admit(p, "r") == 5 * BS
+    assert p.take_tier_facts() == [
+        TierFact(Source.DISK, KEYS[2], None), TierFact(Source.REMOTE, KEYS[5], None),
+        TierFact(Source.DISK, KEYS[0], 1), TierFact(Source.DISK, KEYS[1], 2),
+        *[TierFact(Source.REMOTE, KEYS[i], i + 1) for i in range(2, 5)]]
+    assert p.take_tier_facts() == []
+    p.plan_step([])
+    p.step_finished({2})
+    assert p.take_tier_facts() == [TierFact(Source.DISK, KEYS[1], None),
+                                   TierFact(Source.REMOTE, KEYS[1], None)]

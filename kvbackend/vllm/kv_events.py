@@ -1,4 +1,4 @@
-"""vLLM KV-cache events for the blocks kvbackend caches: device, host tier.
+"""vLLM KV-cache events for the blocks kvbackend caches: device, host, disk, remote.
 
 Cache-aware routers read vLLM's ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` (``--kv-events-config``) and recompute block hashes from
@@ -9,20 +9,48 @@ A full device block is hashed once, when the tree first adopts it; its event is
 kept by block id, so the next block's parent hash is one dict read. Like vLLM,
 kvbackend evicts on demand, when it hands blocks out again: a block that comes
 back from the pool while still announced is announced removed then. Partial
-blocks are never announced (vLLM hashes full blocks only).
+blocks are never announced (vLLM hashes full blocks only). With several KV-cache
+groups (sliding-window and full attention) every event is published once per
+group, with its ``group_idx`` and the group's ``kv_cache_spec_kind`` /
+``kv_cache_spec_sliding_window`` (the manager's ``take_events``), as vLLM's
+prefix caching does. kvbackend keeps every group's blocks for the whole prefix and
+announces them all; vLLM announces only the blocks a sliding window still reaches
+when it caches them (an event whose ``token_ids`` span the whole range), so
+kvbackend's announcements cover vLLM's, hash for hash.
 
-A tier copy (``medium`` "CPU" for the host tier, as vLLM's offloading connector
-announces its CPU blocks) reuses the device block's event: no second hash. A
-copy made before its device block is announced (a block loaded from disk is
-published a step later, once the load is known good) waits for that
-announcement; if the device block is handed out again first, the copy is never
-announced. Disk and remote blocks are not announced: other processes and the
-workers evict them, unseen here.
+A tier copy reuses the device block's event: no second hash. The tiers are named
+as vLLM's offloading tiers name theirs (``Tier``): host ``medium`` "CPU"; disk
+"STORAGE" with ``locality`` "LOCAL" (vLLM's file-system tier); remote "STORAGE"
+with ``locality`` "REMOTE" (its object-store tier). A copy made before its device
+block is announced (a block loaded from a tier is published a step later, once
+the load is known good) waits for that announcement; if the device block is
+handed out again first, the copy is never announced.
+
+What is announced for each tier (the tier connector's ``_announce_tier_changes``):
+
+- host: stored when a save or a promoting load puts a block there, removed when
+  the planner drops it or clears the tier; exact, as the scheduler decides every
+  change of the workers' host tiers. (A disk-to-host prefetch, for a block not on
+  the device, is not announced.)
+- disk and remote: stored when a save is ordered (written best effort after the
+  step: a write that fails, a full remote queue, or a read-only disk drops it) and
+  when a block is loaded from there; removed when the scheduler learns it is gone:
+  a lookup or prefetch that probes the key finds no file on some rank (disk) or
+  the server without it or out (remote; the first key after each tier's run of hits),
+  a load of it fails (removed from disk and remote both), or the tiers go off
+  (``reset_prefix_cache(reset_connector=True)``). Files that the workers' size
+  bound or other processes evict, and keys the server expires, stay announced
+  until then; blocks that other processes wrote are announced once loaded. So a
+  router must take a "STORAGE" block as a hint: likely there, possibly gone; a
+  hit it routes for that is gone is a miss, recomputed, never a wrong answer.
+  (vLLM's own file-system and object-store tiers announce stores only, no
+  removals at all.)
 
 Invariants (``check_invariants``): ``announced`` holds exactly the device blocks
-announced and not removed since; ``tier_copies`` exactly the tier keys announced
-and not removed since; a key waits for at most one device block, and a waiting
-key is not announced.
+announced and not removed since; ``tier_copies`` exactly the (tier, key) copies
+announced and not removed since, each announced under its tier's medium and
+locality; a copy waits for at most one device block, and a waiting copy is not
+announced.
 Cost: O(1) per block stored, removed or copied; nothing at all on lookups.
 """
 
@@ -32,7 +60,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 from vllm.distributed.kv_events import (
-    MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
+    MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored,
+    KVCacheEvent,
 )
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
@@ -41,6 +70,20 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.kv_offload.base import Locality
+
+
+class Tier(NamedTuple):
+    """A tier as its events name it: vLLM's ``medium`` and ``locality``."""
+
+    medium: str
+    locality: str | None = None
+
+
+HOST = Tier(MEDIUM_CPU)  # as vLLM's CPU offloading
+DISK = Tier(MEDIUM_STORAGE, Locality.LOCAL.value)  # as vLLM's file-system tier
+REMOTE = Tier(MEDIUM_STORAGE, Locality.REMOTE.value)  # as vLLM's object-store tier
+_Copy = tuple[Tier, str]  # a tier copy: the tier and its key there
 
 
 class _Announced(NamedTuple):
@@ -57,9 +100,9 @@ class BlockEvents:
             init_none_hash(self.hash_fn)  # vLLM does it only with its own prefix caching on
         self.block_size = block_size
         self.announced: dict[int, _Announced] = {}  # device block id -> its announcement
-        self.tier_copies: dict[str, BlockStored] = {}  # tier key -> its announcement
-        self._waiting: dict[int, dict[str, str]] = {}  # device block id -> {key: medium}
-        self._waits_on: dict[str, int] = {}  # key -> the device block it waits for
+        self.tier_copies: dict[_Copy, BlockStored] = {}  # (tier, key) -> its announcement
+        self._waiting: dict[int, dict[_Copy, None]] = {}  # device block id -> its copies
+        self._waits_on: dict[_Copy, int] = {}  # copy -> the device block it waits for
         self._events: list[KVCacheEvent] = []
 
     # ---------------------------------------------------------------- device
@@ -88,16 +131,16 @@ class BlockEvents:
             self._events.append(event)
             self.announced[block_id] = _Announced(block_hash, event)
             parent = block_hash
-            for key, medium in self._waiting.pop(block_id, {}).items():
-                del self._waits_on[key]
-                self._announce_copy(key, event, medium)
+            for copy in self._waiting.pop(block_id, {}):
+                del self._waits_on[copy]
+                self._announce_copy(copy, event)
 
     def reused(self, block_ids: list[int]) -> None:
         """``block_ids`` were handed out again: those still announced are gone, and
         no waiting tier copy will ever match them."""
         for block_id in block_ids:
-            for key in self._waiting.pop(block_id, {}):
-                del self._waits_on[key]
+            for copy in self._waiting.pop(block_id, {}):
+                del self._waits_on[copy]
             announced = self.announced.pop(block_id, None)
             if announced is not None:
                 self._events.append(BlockRemoved(
@@ -113,38 +156,39 @@ class BlockEvents:
         self._events.extend(self.tier_copies.values())
 
     # ----------------------------------------------------------------- tiers
-    def tier_stored(self, key: str, block_id: int, medium: str) -> None:
-        """The tier ``medium`` now holds (or is being sent) device block ``block_id``'s
-        KV under ``key``; announced with the device block's hash, now or once the
-        device block is announced."""
-        if key in self.tier_copies or key in self._waits_on:
+    def tier_stored(self, tier: Tier, key: str, block_id: int) -> None:
+        """``tier`` now holds (or is being sent) device block ``block_id``'s KV under
+        ``key``; announced with the device block's hash, now or once the device
+        block is announced. Announced already: nothing."""
+        copy = (tier, key)
+        if copy in self.tier_copies or copy in self._waits_on:
             return
         announced = self.announced.get(block_id)
         if announced is not None:
-            self._announce_copy(key, announced.event, medium)
+            self._announce_copy(copy, announced.event)
         else:
-            self._waiting.setdefault(block_id, {})[key] = medium
-            self._waits_on[key] = block_id
+            self._waiting.setdefault(block_id, {})[copy] = None
+            self._waits_on[copy] = block_id
 
-    def tier_removed(self, key: str) -> None:
-        """The tier dropped ``key``."""
-        block_id = self._waits_on.pop(key, None)
+    def tier_removed(self, tier: Tier, key: str) -> None:
+        """``tier`` no longer holds ``key`` (or is known not to). Not announced: nothing."""
+        copy = (tier, key)
+        block_id = self._waits_on.pop(copy, None)
         if block_id is not None:
             waiting = self._waiting[block_id]
-            del waiting[key]
+            del waiting[copy]
             if not waiting:
                 del self._waiting[block_id]
-        event = self.tier_copies.pop(key, None)
+        event = self.tier_copies.pop(copy, None)
         if event is not None:
-            self._events.append(BlockRemoved(block_hashes=event.block_hashes,
-                                             medium=event.medium, group_idx=0))
+            self._events.append(BlockRemoved(block_hashes=event.block_hashes, medium=tier.medium,
+                                             group_idx=0, locality=tier.locality))
 
-    def tier_cleared(self, medium: str) -> None:
-        """The tier ``medium`` dropped every key. O(its keys)."""
-        keys = [k for k, e in self.tier_copies.items() if e.medium == medium]
-        keys += [k for k, b in self._waits_on.items() if self._waiting[b][k] == medium]
+    def tier_cleared(self, tier: Tier) -> None:
+        """``tier`` dropped every key. O(copies, all tiers)."""
+        keys = [k for t, k in [*self.tier_copies, *self._waits_on] if t == tier]
         for key in keys:
-            self.tier_removed(key)
+            self.tier_removed(tier, key)
 
     # --------------------------------------------------------------- read-out
     def take(self) -> list[KVCacheEvent]:
@@ -161,12 +205,17 @@ class BlockEvents:
             raise RuntimeError("a device block waits with no tier copy")
         both = set(waiting) & set(self.tier_copies)
         if both:
-            raise RuntimeError(f"tier keys {sorted(both)[:3]} both wait and are announced")
+            raise RuntimeError(f"tier copies {sorted(both)[:3]} both wait and are announced")
+        for (tier, _key), event in self.tier_copies.items():
+            if (event.medium, event.locality) != tier:
+                raise RuntimeError(f"a copy in {tier} was announced as ({event.medium}, "
+                                   f"{event.locality})")
 
-    def _announce_copy(self, key: str, event: BlockStored, medium: str) -> None:
-        copy = msgspec.structs.replace(event, medium=medium)
-        self.tier_copies[key] = copy
-        self._events.append(copy)
+    def _announce_copy(self, copy: _Copy, event: BlockStored) -> None:
+        tier = copy[0]
+        announcement = msgspec.structs.replace(event, medium=tier.medium, locality=tier.locality)
+        self.tier_copies[copy] = announcement
+        self._events.append(announcement)
 
     def _parent_hash(self, request: Request, tokens: Any, block_ids: list[int],
                      first: int) -> BlockHash | None:

@@ -141,8 +141,9 @@ when vLLM adds a public member that this table does not name):
                                                    pool records nothing, []
     record_blocks_for_zeroing          inherited   same: no group records ids
     take_boundary_state_offloads       inherited   Mamba "align" only: {}
-    take_events                        overridden  kvbackend's device and host tier block
-                                                   events (``kv_events.py``)
+    take_events                        overridden  kvbackend's device and tier block
+                                                   events, one per KV-cache group
+                                                   (``kv_events.py``)
 """
 
 from __future__ import annotations
@@ -404,7 +405,8 @@ class KVBackendManager(KVCacheManager):
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` for the
-        device blocks (``--kv-events-config``); see ``kv_events.py``. O(events)."""
+        device blocks and their tier copies (``--kv-events-config``); see
+        ``kv_events.py``. O(events * groups)."""
         if self.kv_events is None:
             return []
         events = self.kv_events.take()

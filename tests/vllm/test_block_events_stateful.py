@@ -1,21 +1,23 @@
-"""``BlockEvents`` under any order of device stores and reuses, tier copies, tier
-drops and resets: its invariants hold after every step, and a router that replays
-the events it published holds exactly what the device and the host tier hold."""
+"""``BlockEvents`` under any order of device stores and reuses, tier copies (host,
+disk, remote), tier drops and resets: its invariants hold after every step, and a
+router that replays the events it published holds exactly what the device and each
+tier hold."""
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from vllm import SamplingParams
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU
+from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.request import Request
 
-from kvbackend.vllm.kv_events import BlockEvents
-from tests.vllm.test_kv_events import held_by_medium
+from kvbackend.vllm.kv_events import DISK, HOST, REMOTE, BlockEvents
+from tests.vllm.test_kv_events import held_by_tier
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 3
 blocks = st.integers(0, NUM_BLOCKS - 1)
+tiers = st.sampled_from([HOST, DISK, REMOTE])
 
 
 class BlockEventsMachine(RuleBasedStateMachine):
@@ -32,7 +34,7 @@ class BlockEventsMachine(RuleBasedStateMachine):
         self.published: list = []
         self.hashes: dict[int, int] = {}  # block -> its announced hash, once seen
         self.device: set[int] = set()  # blocks announced, not reused since
-        self.host: dict[int, bool] = {}  # block whose copy the host holds -> announced yet
+        self.copies: dict[tuple, bool] = {}  # (tier, block) a tier holds -> announced yet
 
     def _take(self) -> None:
         self.published += self.events.take()
@@ -46,30 +48,31 @@ class BlockEventsMachine(RuleBasedStateMachine):
         self.hashes.setdefault(block, self.published[-1].block_hashes[0]
                                if block not in self.device else self.hashes[block])
         self.device.add(block)
-        if block in self.host:
-            self.host[block] = True
+        for copy in self.copies:
+            if copy[1] == block:
+                self.copies[copy] = True
 
     @rule(block=blocks)
     def device_reuse(self, block: int) -> None:
         self.events.reused([block])
         self.device.discard(block)
-        if self.host.get(block) is False:  # waited for this block: never announced
-            del self.host[block]
+        for copy in [c for c, shown in self.copies.items() if c[1] == block and not shown]:
+            del self.copies[copy]  # waited for this block: never announced
 
-    @rule(block=blocks)
-    def host_put(self, block: int) -> None:
-        self.events.tier_stored(f"k{block}", block, MEDIUM_CPU)
-        self.host.setdefault(block, block in self.device)
+    @rule(tier=tiers, block=blocks)
+    def tier_put(self, tier, block: int) -> None:
+        self.events.tier_stored(tier, f"k{block}", block)
+        self.copies.setdefault((tier, block), block in self.device)
 
-    @rule(block=blocks)
-    def host_drop(self, block: int) -> None:
-        self.events.tier_removed(f"k{block}")
-        self.host.pop(block, None)
+    @rule(tier=tiers, block=blocks)
+    def tier_drop(self, tier, block: int) -> None:
+        self.events.tier_removed(tier, f"k{block}")
+        self.copies.pop((tier, block), None)
 
-    @rule()
-    def host_clear(self) -> None:
-        self.events.tier_cleared(MEDIUM_CPU)
-        self.host.clear()
+    @rule(tier=tiers)
+    def tier_clear(self, tier) -> None:
+        self.events.tier_cleared(tier)
+        self.copies = {c: shown for c, shown in self.copies.items() if c[0] != tier}
 
     @rule()
     def device_clear(self) -> None:
@@ -80,10 +83,11 @@ class BlockEventsMachine(RuleBasedStateMachine):
     def router_sees_what_is_held(self) -> None:
         self.events.check_invariants()
         self._take()
-        held = held_by_medium(self.published)
-        assert held.get(MEDIUM_GPU, set()) == {self.hashes[b] for b in self.device}
-        assert held.get(MEDIUM_CPU, set()) == {self.hashes[b] for b, shown in self.host.items()
-                                               if shown}
+        held = held_by_tier(self.published)
+        assert held.get((MEDIUM_GPU, None), set()) == {self.hashes[b] for b in self.device}
+        for tier in (HOST, DISK, REMOTE):
+            assert held.get(tier, set()) == {self.hashes[b] for (t, b), shown
+                                             in self.copies.items() if t == tier and shown}
 
 
 TestBlockEvents = BlockEventsMachine.TestCase

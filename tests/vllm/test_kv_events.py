@@ -3,6 +3,8 @@ publisher, against those of vLLM's own prefix caching on the same workload."""
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 import time
 
@@ -17,7 +19,10 @@ from vllm.distributed.kv_events import (  # noqa: E402
     MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
 )
 
+from kvbackend.store.disk_tier import FORMAT_DIR  # noqa: E402
+from kvbackend.testing.tiny_model import build_tiny_gemma3  # noqa: E402
 from kvbackend.vllm import engine_kwargs  # noqa: E402
+from kvbackend.vllm.kv_events import DISK, HOST  # noqa: E402
 
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown  # noqa: E402
 from tests.vllm.tier_harness import host_gb  # noqa: E402
@@ -58,25 +63,45 @@ def published_events(model: str, mode: str, endpoint: str, run, **overrides) -> 
         shutdown(llm)
 
 
-def announced_blocks(model: str, mode: str, endpoint: str) -> list[BlockStored]:
+def announced_blocks(model: str, mode: str, endpoint: str, **overrides) -> list[BlockStored]:
     """Run the workload on a fresh engine; every ``BlockStored`` it published."""
     def run(llm):
         for batch in workload():
             llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
-    events = published_events(model, mode, endpoint, run)
+    events = published_events(model, mode, endpoint, run, **overrides)
     return [e for e in events if isinstance(e, BlockStored)]
 
 
 def by_hash(events: list[BlockStored]) -> dict:
-    """hash -> (parent hash, token ids), one entry per announced block."""
+    """(group, hash) -> (parent hash, token ids, the group's spec fields), one entry per
+    announced block of each KV-cache group. An event whose token ids are not its
+    blocks' (vLLM's sliding-window groups list only the blocks still in the window,
+    with the whole range's token ids and no parent) gives None for both."""
     blocks = {}
     for event in events:
         parent = event.parent_block_hash
+        spec = (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
+        aligned = len(event.token_ids) == event.block_size * len(event.block_hashes)
         for i, block_hash in enumerate(event.block_hashes):
-            tokens = event.token_ids[i * event.block_size:(i + 1) * event.block_size]
-            blocks[block_hash] = (parent, tuple(tokens))
+            tokens = tuple(event.token_ids[i * event.block_size:(i + 1) * event.block_size])
+            blocks[event.group_idx, block_hash] = (parent, tokens, spec) if aligned else (
+                None, None, spec)
             parent = block_hash
     return blocks
+
+
+def check_covers(ours: dict, theirs: dict) -> None:
+    """Every block vLLM announced (in every group) is announced by kvbackend alike
+    (where vLLM's event names its tokens; else its hash and group spec)."""
+    assert theirs, "vLLM's prefix caching announced nothing; the workload is wrong"
+    missing = set(theirs) - set(ours)
+    assert not missing, f"{len(missing)} of vLLM's {len(theirs)} blocks not announced"
+    for key, (parent, tokens, spec) in theirs.items():
+        expected = (parent, tokens, spec) if tokens is not None else (*ours[key][:2], spec)
+        assert ours[key] == expected
+    for (group, _), (parent, tokens, _) in ours.items():  # every chain starts at a first block
+        assert parent is None or (group, parent) in ours
+        assert len(tokens) == BLOCK_SIZE
 
 
 def test_kvbackend_announces_every_block_vllm_announces_with_its_hashes(tiny_model, tmp_path,
@@ -84,29 +109,42 @@ def test_kvbackend_announces_every_block_vllm_announces_with_its_hashes(tiny_mod
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # one NONE_HASH seed in both engines
     ours = by_hash(announced_blocks(tiny_model, "kvbackend", f"ipc://{tmp_path}/kvb"))
     theirs = by_hash(announced_blocks(tiny_model, "vllm-apc", f"ipc://{tmp_path}/apc"))
-    assert theirs, "vLLM's prefix caching announced nothing; the workload is wrong"
-    missing = set(theirs) - set(ours)
-    assert not missing, f"{len(missing)} of vLLM's {len(theirs)} blocks not announced"
-    for block_hash, (parent, tokens) in theirs.items():
-        assert ours[block_hash] == (parent, tokens)
-    for parent, tokens in ours.values():  # every chain starts at a first block
-        assert parent is None or parent in ours
-        assert len(tokens) == BLOCK_SIZE
+    check_covers(ours, theirs)
+
+
+GEMMA3 = dict(max_model_len=1024, kv_cache_memory_bytes=4 << 20)  # as test_sliding_window.py
+
+
+def test_every_kv_cache_group_of_a_sliding_window_model_is_announced_as_vllm_does(
+        tmp_path, monkeypatch):
+    """The Gemma-3-style model (two sliding-window groups, one full-attention group):
+    vLLM announces each group's blocks with its ``group_idx`` and spec fields; the
+    workload's shared prompt is longer than the window, so vLLM announces only the
+    window's blocks of the sliding-window groups, kvbackend every block of each."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    gemma = build_tiny_gemma3(str(tmp_path / "gemma3"))
+    ours = by_hash(announced_blocks(gemma, "kvbackend", f"ipc://{tmp_path}/kvb", **GEMMA3))
+    theirs = by_hash(announced_blocks(gemma, "vllm-apc", f"ipc://{tmp_path}/apc", **GEMMA3))
+    check_covers(ours, theirs)
+    assert {group for group, _ in theirs} == {0, 1, 2}
+    assert {spec for _, _, spec in theirs.values()} == {("sliding_window", 64),
+                                                        ("full_attention", None)}
 
 
 HOST_BLOCKS = 4
 
 
-def held_by_medium(events: list) -> dict[str, set]:
-    """Replay ``events``: the block hashes each medium holds at the end."""
-    held: dict[str, set] = {}
+def held_by_tier(events: list) -> dict[tuple, set]:
+    """Replay ``events``: the block hashes each (medium, locality) holds at the end."""
+    held: dict[tuple, set] = {}
     for event in events:
+        tier = (getattr(event, "medium", None), getattr(event, "locality", None))
         if isinstance(event, AllBlocksCleared):
             held.clear()
         elif isinstance(event, BlockStored):
-            held.setdefault(event.medium, set()).update(event.block_hashes)
+            held.setdefault(tier, set()).update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            held.get(event.medium, set()).difference_update(event.block_hashes)
+            held.get(tier, set()).difference_update(event.block_hashes)
     return held
 
 
@@ -135,12 +173,55 @@ def test_host_tier_blocks_are_announced_with_the_device_blocks_hashes(tiny_model
     host = [e for e in stored if e.medium == MEDIUM_CPU]
     assert host, "no host tier block was announced"
     for event in host:  # the device block's announcement, medium aside
-        assert by_hash([event]) == {h: device[h] for h in event.block_hashes}
+        assert by_hash([event]) == {(0, h): device[0, h] for h in event.block_hashes}
     removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU]
     assert removed, "the host tier evicted blocks but announced no removal"
-    held = held_by_medium(events)
-    document_blocks = {h for h, (_, tokens) in device.items()
-                       if list(tokens) in [document[i:i + BLOCK_SIZE]
-                                           for i in range(0, 4 * BLOCK_SIZE, BLOCK_SIZE)]}
-    assert len(document_blocks) == 4
-    assert held[MEDIUM_CPU] == document_blocks  # the host tier holds the document only
+    held = held_by_tier(events)
+    assert held[HOST] == set(hashes_of(document, device))  # the host holds the document only
+
+
+def hashes_of(prompt: list[int], device: dict) -> list:
+    """The announced hash of each full block of ``prompt``, in order (``device``:
+    ``by_hash`` of the device's announcements)."""
+    hashes = []
+    for i in range(len(prompt) // BLOCK_SIZE):
+        tokens = tuple(prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+        parent = hashes[-1] if hashes else None
+        (found,) = [h for (_, h), block in device.items() if block[:2] == (parent, tokens)]
+        hashes.append(found)
+    return hashes
+
+
+def test_disk_blocks_are_announced_and_removed_once_a_lookup_finds_them_gone(tiny_model,
+                                                                            tmp_path):
+    """A document's 4 blocks go to disk (announced "STORAGE", locality "LOCAL", as
+    vLLM's file-system tier does, under the device blocks' hashes). Another process
+    evicts one block file, unseen; after the device forgets everything, the
+    document's lookup finds that file missing: announced removed, then written and
+    announced again once recomputed."""
+    rng = random.Random(5)
+    document = [rng.randrange(3, 512) for _ in range(4 * BLOCK_SIZE + 1)]
+    disk = tmp_path / "disk"
+    found = {}
+
+    def run(llm):
+        llm.generate([{"prompt_token_ids": document}], GREEDY, use_tqdm=False)
+        files = sorted(glob.glob(os.path.join(str(disk), FORMAT_DIR, "*", "*", "*.kvb")))
+        assert len(files) == 4
+        os.remove(files[0])  # some block of the document, evicted elsewhere
+        assert llm.reset_prefix_cache()
+        (again,) = llm.generate([{"prompt_token_ids": document}], GREEDY, use_tqdm=False)
+        found["cached"] = again.num_cached_tokens
+
+    events = published_events(tiny_model, "kvbackend", f"ipc://{tmp_path}/events", run,
+                              max_model_len=512, **engine_kwargs(disk_cache_dir=str(disk)))
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    device = by_hash([e for e in stored if e.medium == MEDIUM_GPU])
+    on_disk = [e for e in stored if (e.medium, e.locality) == DISK]
+    for event in on_disk:  # the device block's announcement, medium and locality aside
+        assert by_hash([event]) == {(0, h): device[0, h] for h in event.block_hashes}
+    hashes = hashes_of(document, device)
+    removed = [h for e in events if isinstance(e, BlockRemoved) and (e.medium, e.locality) == DISK
+               for h in e.block_hashes]
+    assert removed == [hashes[found["cached"] // BLOCK_SIZE]]  # where the lookup stopped
+    assert held_by_tier(events)[DISK] == set(hashes)  # written again

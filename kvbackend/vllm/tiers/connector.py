@@ -59,13 +59,13 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, TIER_KEYS, KVBackendConfig
+from kvbackend.vllm.kv_events import DISK, HOST, REMOTE
 from kvbackend.vllm.request_options import request_options
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, StepOrders
 from kvbackend.vllm.tiers.metrics import KVBackendPromMetrics, KVBackendStats
@@ -255,25 +255,39 @@ class KVBackendTierConnector(KVConnectorBase_V1):
             logger.exception("kvbackend tiers: planning saves failed; the host tier starts over")
             self.planner.forget_host()
             orders = self.planner.plan_step(())
-        self._announce_host_changes(orders)
+        self._announce_tier_changes(orders)
         return TierMetadata(orders)
 
-    def _announce_host_changes(self, orders: StepOrders) -> None:
-        """KV events (``--kv-events-config``) for what the orders change in the workers'
-        host tiers, in the order they apply them: clear, drops, then puts."""
+    def _announce_tier_changes(self, orders: StepOrders) -> None:
+        """KV events (``--kv-events-config``, ``kv_events.py``): first what the planner
+        learned of disk and remote keys since the last step (``TierFact``), then what
+        the orders change, in the order the workers apply them: clear, drops, loads,
+        saves. O(facts + orders)."""
+        facts = self.planner.take_tier_facts()
         events = getattr(self._kv_cache_manager, "kv_events", None)  # bound: kvbackend's
         if events is None:
             return
+        tiers = {Source.DISK: DISK, Source.REMOTE: REMOTE}
+        for fact in facts:
+            if fact.block_id is None:
+                events.tier_removed(tiers[fact.source], fact.key)
+            else:
+                events.tier_stored(tiers[fact.source], fact.key, fact.block_id)
         if orders.clear_host:
-            events.tier_cleared(MEDIUM_CPU)
+            events.tier_cleared(HOST)
+        if orders.disk_off:
+            events.tier_cleared(DISK)
+            events.tier_cleared(REMOTE)
         for key in orders.drops:
-            events.tier_removed(key)
+            events.tier_removed(HOST, key)
         for order in orders.loads:
             if order.promote:
-                events.tier_stored(order.key, order.block_id, MEDIUM_CPU)
+                events.tier_stored(HOST, order.key, order.block_id)
         for order in orders.saves:
-            if order.to_host:
-                events.tier_stored(order.key, order.block_id, MEDIUM_CPU)
+            for tier, ordered in ((HOST, order.to_host), (DISK, order.to_disk),
+                                  (REMOTE, order.to_remote)):
+                if ordered:
+                    events.tier_stored(tier, order.key, order.block_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The step ran; its failed loads are known. O(loads of that step)."""

@@ -69,6 +69,16 @@ class StepOrders(NamedTuple):
     prefetches: tuple[str, ...] = ()
 
 
+class TierFact(NamedTuple):
+    """What the planner learned of a disk or remote key: the tier holds it, with device
+    block ``block_id`` holding the same KV (a load from there), or it does not
+    (``block_id`` None: a probe missed it, or its load failed). For KV events."""
+
+    source: Source
+    key: str
+    block_id: int | None
+
+
 class ScheduledRequest(NamedTuple):
     """A request scheduled in the step being planned, as the planner needs it."""
 
@@ -78,4 +88,4 @@ class ScheduledRequest(NamedTuple):
     block_ids: Sequence[int]  # the request's whole block table
 
 
-__all__ = ["LoadOrder", "SaveOrder", "ScheduledRequest", "Source", "StepOrders"]
+__all__ = ["LoadOrder", "SaveOrder", "ScheduledRequest", "Source", "StepOrders", "TierFact"]

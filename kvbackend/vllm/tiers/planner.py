@@ -64,6 +64,9 @@ identity). Calls, in vLLM's order within a step:
                         ``request_finished`` after its time).
   ``reset``             after a weight update: a new key epoch, the host tiers cleared,
                         the disk and remote tiers off for the rest of the process.
+  ``take_tier_facts``   what the calls above learned of disk and remote keys (held:
+                        loaded from there; gone: a probe missed, a load failed), for
+                        KV events; the connector drains it every step.
 
 Steps in flight: under vLLM's async scheduling step N+1 is planned before step N's
 failures are reported, so the loads of the last ``max_steps_in_flight`` planned
@@ -91,7 +94,7 @@ from dataclasses import dataclass, field
 from kvbackend.store import compute_block_keys
 from kvbackend.vllm.tiers.host_mirror import HostMirror
 from kvbackend.vllm.tiers.messages import (
-    LoadOrder, SaveOrder, ScheduledRequest, Source, StepOrders,
+    LoadOrder, SaveOrder, ScheduledRequest, Source, StepOrders, TierFact,
 )
 
 logger = logging.getLogger("kvbackend.tiers")
@@ -187,6 +190,7 @@ class TierPlanner:
         self._async: dict[str, None] = {}  # requests admitted with an asynchronous load
         self._drops: list[str] = []
         self._clear_host = self._disk_off = False
+        self._facts: list[TierFact] = []  # disk / remote keys seen held or missing, in order
 
     # ------------------------------------------------------------ scheduler calls
     def prefetch(self, request_id: str, tokens: Sequence[int], namespace: bytes) -> int:
@@ -208,8 +212,7 @@ class TierPlanner:
             for key in keys:
                 if key in self.host:  # held, or arriving with this step's orders
                     continue
-                if (queued == room or not self.disk_contains(key)
-                        or not self._host_insert(key, True)):
+                if queued == room or not self._on_disk(key) or not self._host_insert(key, True):
                     break
                 self._prefetches[key] = request_id
                 queued += 1
@@ -237,15 +240,18 @@ class TierPlanner:
         for key in self._keys(st, limit)[start:]:
             if self.host.holds(key):
                 sources.append(Source.HOST)
-            elif self.disk_contains is not None and self.disk_contains(key):
+            elif self.disk_contains is not None and self._on_disk(key):
                 sources.append(Source.DISK)
             else:
                 break
         end = start + len(sources)
         room = self.remote_step_blocks - self._step_remote
         if self.remote_contains is not None and end < limit and room > 0:
-            found = self.remote_contains(st.keys[end:min(limit, end + room)])
+            probed = st.keys[end:min(limit, end + room)]
+            found = self.remote_contains(probed)
             sources += [Source.REMOTE] * found
+            if found < len(probed):
+                self._facts.append(TierFact(Source.REMOTE, probed[found], None))
         if not sources:
             return 0
         pinned = [k for k, s in zip(st.keys[start:], sources) if s is Source.HOST]
@@ -295,6 +301,8 @@ class TierPlanner:
             else:  # the load promotes a prefetch of this step instead of reading twice
                 promote = self._prefetches.pop(key, None) is not None or self._host_insert(key)
             self._loads.append(LoadOrder(request_id, block_id, key, promote))
+            if lookup.sources[j] is not Source.HOST:
+                self._facts.append(TierFact(lookup.sources[j], key, block_id))
             loads.blocks[block_id] = key
             st.sources[lookup.sources[j]] = st.sources.get(lookup.sources[j], 0) + self.block_size
         if lookup is not None:
@@ -373,9 +381,17 @@ class TierPlanner:
             for key in bad:  # gone or corrupt on some rank; a rank that loaded it drops it
                 if self.host.remove(key):
                     self._drops.append(key)
+                self._facts += [TierFact(Source.DISK, key, None),
+                                TierFact(Source.REMOTE, key, None)]
             if bad:
                 logger.warning("kvbackend tiers: request %s: %d block(s) failed to load from "
                                "host/disk; they are recomputed", request_id, len(bad))
+
+    def take_tier_facts(self) -> list[TierFact]:
+        """What lookups, prefetches, loads and failed loads learned of disk and remote
+        keys since the last call, in order (``TierFact``). O(1)."""
+        facts, self._facts = self._facts, []
+        return facts
 
     def pending_host_changes(self) -> tuple[bool, tuple[str, ...]]:
         """What the next orders tell every worker before anything else: whether to clear
@@ -434,6 +450,13 @@ class TierPlanner:
                 st.tokens[have * bs: num_blocks * bs], bs, self.key_digest, st.namespace,
                 parent=st.keys[-1] if st.keys else None))
         return st.keys
+
+    def _on_disk(self, key: str) -> bool:
+        """Whether every rank's disk holds ``key``; a miss is a ``TierFact``."""
+        if self.disk_contains(key):
+            return True
+        self._facts.append(TierFact(Source.DISK, key, None))
+        return False
 
     def _host_insert(self, key: str, ordinary_only: bool = False) -> bool:
         inserted = self.host.insert(key, ordinary_only)
