@@ -27,17 +27,18 @@ hit, which vLLM makes block-aligned whenever an external hit exists (it drops
 a partial device tail, so no copy-on-write block is ever overwritten by a
 load). They count as computed once loaded, but a load can fail (a missing or
 corrupted block), and vLLM learns that only after the step ran. So a request
-that loads is *not* published to the tree (``loading``) until its load step's
-output is in: then ``cache_blocks``, or with synchronous scheduling its next
-``allocate_slots``, publishes what is known computed: vLLM has by then cut
+that loads is *not* published to the tree in its admission step. A synchronous
+load (synchronous scheduling only, see below) is published by the request's next
+``allocate_slots`` (or ``free``), after its step's output: vLLM has by then cut
 ``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
-the same blocks. ``free`` before that (aborted while loading) publishes nothing.
-Nothing another request can match ever comes from a failed load. An asynchronous
-load (``delay_cache_blocks``: a remote hit, any tier hit under async scheduling, or
-another connector's load; the request waits in WAITING_FOR_REMOTE_KVS) is published
-by ``cache_blocks``, which vLLM calls with the tokens known good once the workers
-report it done (or ``free`` if none are).
+the same blocks. An asynchronous load (``delay_cache_blocks``: a remote hit, any
+tier hit under async scheduling, or another connector's load; the request waits in
+WAITING_FOR_REMOTE_KVS) is published by ``cache_blocks``, which vLLM calls with
+the tokens known good once the workers report it done (or ``free`` if none are);
+a ``free`` before that (aborted while loading: vLLM then frees it without cutting
+its tokens back) publishes nothing (``loading``). Nothing another request can
+match ever comes from a failed load.
 
 Speculative decoding (n-gram, suffix, Medusa, MLP speculators, draft models):
 ``num_new_tokens`` counts the draft tokens and ``num_lookahead_tokens`` the
@@ -179,7 +180,7 @@ class _TrackedRequest:
     sequence: Sequence | None = None
     match: PrefixMatch | None = None  # from get_computed_blocks, consumed at admission
     num_published: int = 0  # tokens handed to the tree so far
-    loading: bool = False  # admitted with a connector load not yet known good: unpublished
+    loading: bool = False  # an asynchronous load not yet reported: nothing published
     priority: int = 0
     pin: bool = False
     retain_s: float = 0.0  # after the request finishes, keep its context ahead this long
@@ -307,8 +308,8 @@ class KVBackendManager(KVCacheManager):
         first_written = (computed - num_external_computed_tokens) // self.block_size
         self._written_this_step.update(
             seq.block_ids[first_written: cdiv(end, self.block_size)])
-        tracked.loading = bool(num_external_computed_tokens)  # else its load is known good
-        if not tracked.loading:
+        tracked.loading = delay_cache_blocks
+        if not num_external_computed_tokens:  # else: published once the load is known good
             self._publish(request, tracked, min(end, request.num_tokens))
         return self._as_blocks(new_block_ids)
 
@@ -329,7 +330,7 @@ class KVBackendManager(KVCacheManager):
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None or tracked.sequence is None:
             return
-        if not tracked.loading:  # e.g. aborted while its load ran: its tokens may be bad
+        if not tracked.loading:  # aborted while its load ran: its tokens may be bad
             self._publish(request, tracked, request.num_computed_tokens, force=True)
         retain_s = tracked.retain_s if tracked.cacheable and request.is_finished() else 0
         self.cache.release(tracked.sequence, retain_s=retain_s)
