@@ -52,3 +52,23 @@ def test_block_mover_round_trips_blocks_through_host_and_disk(tmp_path, device):
         assert torch.equal(got, expected[keys.index(key)])
     assert host.contains(keys[0])  # promoted from disk
     host.check_invariants()
+
+
+def test_a_tier_block_of_several_groups_is_its_physical_block_in_each():
+    """With 3 KV-cache groups sharing the tensors, tier block b is physical blocks
+    3b, 3b+1, 3b+2 of every layer: saved and loaded together, other blocks untouched."""
+    layers = [torch.randn(2, 12, 2, 4, 8) for _ in range(2)]  # 4 logical blocks
+    nbytes = 3 * 2 * 2 * 2 * 4 * 8 * 4  # groups * layers * (K, V) * heads * tokens * dim * fp32
+    host = HostTier(4 * nbytes)
+    mover = BlockMover(layers, 1, nbytes, 4, host, None, num_groups=3)
+    mover.save(1, key_of(0), to_host=True, to_disk=False)
+    expected = [layer[:, 3:6].clone() for layer in layers]
+    others = [layer[:, 6:].clone() for layer in layers]
+    for layer in layers:
+        layer[:, 3:].zero_()
+    assert mover.load_many([(2, key_of(0), False)]) == [True]
+    for layer, want, rest in zip(layers, expected, others):
+        assert torch.equal(layer[:, 6:9], want)
+        assert not layer[:, 3:6].any() and not layer[:, 9:].any()
+    with pytest.raises(ValueError, match="num_groups"):
+        BlockMover(layers, 1, nbytes, 4, host, None, num_groups=0)

@@ -27,7 +27,7 @@ def test_tokens_adopted_without_a_lookup_fail_and_their_saves_wait():
     assert planner.lookup("r", tokens, b"", 0) == 0
     planner.allocated("r", [7, 8, 9, 10, 11], 2 * BS)
     orders = planner.plan_step([ScheduledRequest("r", 2 * BS, 2 * BS + 1, [7, 8, 9, 10, 11])])
-    assert orders.failed == (7, 8, 9, 10, 11)
+    assert orders.failed == tuple(("r", b) for b in (7, 8, 9, 10, 11))
     assert not orders.loads and not orders.saves
     planner.step_finished({7, 8, 9, 10, 11})  # vLLM recomputes from block 0
     orders = planner.plan_step([ScheduledRequest("r", 0, 4 * BS + 1, [7, 8, 9, 10, 11])])
@@ -135,3 +135,40 @@ def test_a_retained_context_outlasts_ordinary_traffic_in_the_host_tier_until_its
     now[0] = 19.0 + 0.5  # the second retention's time is up: first to go
     turn("chat3", chats[3])
     assert turn("agent-turn2", resumed, retain_s=0) == 0, "an expired retention stayed"
+
+
+def test_with_several_groups_a_failed_load_fails_its_request_and_leaves_the_mirror():
+    """Several KV-cache groups: vLLM takes no failed block ids, so every hit loads
+    asynchronously and a failed block fails its whole request (``failed_recving``).
+    The host keys that request loaded leave the mirror and every worker's host tier:
+    vLLM retries the request from scratch, and it must not hit the missing key again."""
+    cache = torch.zeros(8, ROW, dtype=torch.uint8)
+    host = HostTier(4 * ROW)
+    worker = TierWorker(BlockMover([cache], 0, ROW, BS, host, None), fail_requests=True)
+    planner = TierPlanner(BS, DIGEST, 4, None, all_loads_async=True)
+    tokens = list(range(3, 3 + 2 * BS + 1))
+    assert planner.lookup("w", tokens, b"", 0) == 0
+    planner.allocated("w", [0, 1, 2], 0)
+    orders = planner.plan_step([ScheduledRequest("w", 0, len(tokens), [0, 1, 2])])
+    worker.start_step(orders)
+    worker.finish_step(orders)
+    planner.step_finished(worker.take_load_errors())
+    planner.request_finished("w")
+    lost, kept = planner.host.keys()
+    host.remove(lost)  # this worker lost a block the mirror lists
+
+    assert planner.lookup("r", tokens, b"", 0) == 2 * BS and planner.loads_async("r")
+    planner.allocated("r", [3, 4, 5], 2 * BS)
+    orders = planner.plan_step([])
+    assert orders.async_loads == ("r",) and len(orders.loads) == 2
+    worker.start_step(orders)
+    worker.finish_step(orders)
+    finished = worker.take_finished_loads()
+    assert finished == {"r"} and worker.take_load_errors() == set()
+    failed = worker.take_failed_requests(finished)
+    assert failed == {"r"} and worker.take_failed_requests(finished) == set()
+    planner.step_finished((), finished, failed)
+    planner.check_invariants()
+    assert set(planner.plan_step([]).drops) == {lost, kept} and not planner.host.keys()
+    assert planner.lookup("r", tokens, b"", 0) == 0  # the retry recomputes
+    planner.check_invariants()

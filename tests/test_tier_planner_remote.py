@@ -99,7 +99,7 @@ def test_a_remote_hit_adopted_wrongly_is_still_reported_as_an_async_load():
     assert p.lookup("r", TOKENS, b"", 0) == 3 * BS and p.loads_async("r")
     p.allocated("r", list(range(1, 12)), 5 * BS)  # more than offered: a bug, failed loads
     orders = p.plan_step([])
-    assert orders.async_loads == ("r",) and set(orders.failed) == set(range(1, 12))
+    assert orders.async_loads == ("r",) and set(orders.failed) == {("r", b) for b in range(1, 12)}
     p.check_invariants()
 
 

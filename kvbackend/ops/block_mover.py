@@ -5,6 +5,11 @@ cache blocks and to save computed ones. Host payloads are numpy uint8 arrays of
 ``block_nbytes``; a CPU cache is gathered into and scattered from them directly,
 a GPU cache through one device staging block (a host-to-device or device-to-host
 copy per block, from pinned host memory; the tiers always live in host memory).
+
+With ``num_groups`` KV-cache groups sharing the layers' tensors (vLLM's hybrid
+KV-cache manager, ``kvbackend.vllm.block_groups``), tier block ``b`` is the
+physical blocks ``[b * num_groups, (b + 1) * num_groups)`` of every layer: one
+payload holds every group's KV of those tokens, group by group.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ class BlockMover:
     """
 
     def __init__(self, layers: list[torch.Tensor], block_dim: int, block_nbytes: int,
-                 block_size: int, host: HostTier | None, disk: DiskTier | None) -> None:
-        self.layers, self.block_dim = layers, block_dim
+                 block_size: int, host: HostTier | None, disk: DiskTier | None,
+                 num_groups: int = 1) -> None:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be at least 1, got {num_groups}")
+        self.layers, self.block_dim, self.num_groups = layers, block_dim, num_groups
         self.block_nbytes, self.block_size = block_nbytes, block_size
         self.host, self.disk = host, disk
         self.device = layers[0].device
@@ -164,20 +172,22 @@ class BlockMover:
         source = torch.from_numpy(row)
         if self._device_row is not None:
             source = self._device_row.copy_(source)  # synchronous: ``row`` may be reused next
-        scatter_blocks(source, self.layers, _ids(block_id), block_dim=self.block_dim)
+        scatter_blocks(source, self.layers, self._ids(block_id), block_dim=self.block_dim)
 
     def _gather(self, block_id: int, row: np.ndarray) -> None:
         """Block ``block_id`` of every layer -> host bytes ``row``."""
         target = torch.from_numpy(row)
         if self._device_row is None:
-            gather_blocks(self.layers, _ids(block_id), target, block_dim=self.block_dim)
+            gather_blocks(self.layers, self._ids(block_id), target, block_dim=self.block_dim)
             return
-        gather_blocks(self.layers, _ids(block_id), self._device_row, block_dim=self.block_dim)
+        gather_blocks(self.layers, self._ids(block_id), self._device_row,
+                      block_dim=self.block_dim)
         target.copy_(self._device_row)  # synchronous device-to-host copy
 
-
-def _ids(block_id: int) -> torch.Tensor:
-    return torch.tensor([block_id], dtype=torch.int64)
+    def _ids(self, block_id: int) -> torch.Tensor:
+        """The physical blocks of tier block ``block_id``, one per group."""
+        first = block_id * self.num_groups
+        return torch.arange(first, first + self.num_groups, dtype=torch.int64)
 
 
 __all__ = ["BlockMover", "READERS"]

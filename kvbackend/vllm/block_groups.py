@@ -14,13 +14,16 @@ so a token-exact hit, a copy-on-write copy or an eviction covers all groups at
 once, and with one group the mapping is the identity. Logical block 0 (the null
 block) covers physical blocks 0 .. num_groups - 1, vLLM's null block among them.
 
+The tier connector names a tier block by its logical id (``LogicalBlockIds``): a
+tier block holds its physical block in every group.
+
 Invariants: the physical ids of distinct (logical, group) pairs are distinct and
 below ``num_logical * num_groups <= num_physical``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
@@ -51,3 +54,32 @@ class BlockGroups:
         g = self.num_groups
         return [KVCacheBlockCopy(src * g + group, dst * g + group)
                 for src, dst in pairs for group in range(g)]
+
+
+class LogicalBlockIds(Sequence[int]):
+    """A request's block table as logical ids, read from vLLM's per-group table (group 0's
+    physical ids, divided by the number of groups) without copying it. O(1) per item;
+    ``check`` verifies that every group holds the same logical blocks. O(groups * blocks)."""
+
+    def __init__(self, per_group: Sequence[Sequence[int]]) -> None:
+        self.per_group, self.num_groups = per_group, len(per_group)
+
+    def __len__(self) -> int:
+        return len(self.per_group[0])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        g = self.num_groups
+        if isinstance(i, slice):
+            return [b // g for b in self.per_group[0][i]]
+        return self.per_group[0][i] // g
+
+    def check(self) -> None:
+        """Raise ValueError unless group g's i-th block is ``logical_i * num_groups + g``
+        (kvbackend's manager hands out no other table)."""
+        g, first = self.num_groups, self.per_group[0]
+        for group, ids in enumerate(self.per_group):
+            if len(ids) != len(first) or any(b != a - a % g + group
+                                             for a, b in zip(first, ids)):
+                raise ValueError(f"KV-cache group {group}'s blocks are not those of group 0 "
+                                 f"plus {group} (a block table kvbackend's manager did not "
+                                 "make)")

@@ -61,7 +61,12 @@ memory: vLLM frees the blocks of a running request that fell out of every
 window (``remove_skipped_blocks``, replacing them by the null block), kvbackend
 keeps them, so a long sliding-window request holds as many blocks as a full-
 attention one, and a hit is never limited by a freed window. Start-up refuses a
-``max_model_len`` whose blocks (all groups) do not fit the pool.
+``max_model_len`` whose blocks (all groups) do not fit the pool. kvbackend's
+tiers keep vLLM's several groups (the tier connector is ``SupportsHMA``): a tier
+block is one logical block, loaded into fresh blocks of every group; with several
+groups every tier hit loads asynchronously (``delay_cache_blocks``, published by
+``cache_blocks`` once done), since vLLM reports a failed load then per request,
+which it recomputes whole (``free``: nothing of it was published).
 
 Async scheduling (``KVBackendAsyncScheduler``): step N+1 is scheduled while
 step N runs, so ``num_computed_tokens`` counts tokens whose step has not run

@@ -13,7 +13,9 @@ adapter and cache salt are in the block keys, ``kvbackend.vllm.namespace``):
   * the *effective* Hugging Face config, after ``hf_overrides`` (RoPE scaling, ...);
   * the model dtype, online ``--quantization`` and its options;
   * the KV cache: every field of vLLM's KV cache spec (dtype, quantization mode,
-    heads, head sizes, block size, padding), ``--kv-cache-dtype`` and its skipped
+    heads, head sizes, block size, padding, sliding window), the KV-cache groups (with
+    several, vLLM's hybrid manager: their number, order and layers, since one payload
+    holds every group's block in that order), ``--kv-cache-dtype`` and its skipped
     layers, the resolved physical KV layout (vLLM's ``KVCacheLayout``, which replaced
     the backends' stride orders) and the attention backend that writes it;
   * vLLM's version, the device type, the tensor-parallel rank and size.
@@ -32,13 +34,14 @@ import enum
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbackend.store import CacheIdentity, model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 
 def resolve_model_dir(vllm_config: VllmConfig) -> str | None:
@@ -65,14 +68,14 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     if model_dir is None:
         raise ValueError(f"cannot find the files of model {vllm_config.model_config.model!r} "
                          "to fingerprint its weights")
-    (group,) = kv_cache_config.kv_cache_groups
-    spec = group.kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec
     model, cache, load = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
+    layer_names = [name for group in groups for name in group.layer_names]
     layout = "|".join([
-        f"vllm-{vllm.__version__}", current_platform.device_type,
-        f"{type(spec).__name__}{_canonical(_fields(spec))}", f"layers={len(group.layer_names)}",
+        f"vllm-{vllm.__version__}", current_platform.device_type, *_group_layout(groups),
         f"kv_cache_layout={kv_cache_config.kv_cache_layout or cache.kv_cache_layout}",
-        f"attention_backend={_attention_backends(vllm_config, group.layer_names)}",
+        f"attention_backend={_attention_backends(vllm_config, layer_names)}",
     ])
     extra = {
         "model_dtype": model.dtype,
@@ -97,9 +100,21 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
 
 
 def block_nbytes(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one block over all layers (one tier payload)."""
-    (group,) = kv_cache_config.kv_cache_groups
-    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    """Bytes of one tier block: one block of every layer of every group (one payload)."""
+    return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+               for group in kv_cache_config.kv_cache_groups)
+
+
+def _group_layout(groups: Sequence[KVCacheGroupSpec]) -> list[str]:
+    """Each group's spec and layers, in vLLM's group order (a tier payload holds the
+    groups in that order), with the number of groups when there are several: a payload
+    written with one group layout never matches another."""
+    parts = [f"{type(g.kv_cache_spec).__name__}{_canonical(_fields(g.kv_cache_spec))}"
+             f"|layers={len(g.layer_names)}" for g in groups]
+    if len(groups) == 1:
+        return parts
+    return [f"groups={len(groups)}",
+            *(f"{part}:{_canonical(g.layer_names)}" for part, g in zip(parts, groups))]
 
 
 def _attention_backends(vllm_config: VllmConfig, layer_names: list[str]) -> str:

@@ -10,14 +10,17 @@ caching (the ground truth) and vLLM's own prefix caching (the hit baseline).
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 
 import pytest
 from vllm import SamplingParams
 
+from kvbackend.store.disk_tier import FORMAT_DIR
 from kvbackend.testing.tiny_model import build_tiny_gemma3
 from tests.token_reference import lcp
-from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
+from tests.vllm.conftest import BLOCK_SIZE, cached_by_source, make_engine, shutdown
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=4 << 20)  # 85 blocks in all 3 groups
@@ -117,17 +120,86 @@ def test_memory_pressure_keeps_outputs_exact(kvb, ref):
     assert sum(hits) < sum(len(p) - 1 for p in prompts)  # but some requests' tails were
 
 
-def test_with_a_tier_vllm_serves_the_model_as_one_full_attention_group(gemma):
-    """kvbackend's tier connector is not ``SupportsHMA``: with a tier, vLLM turns its
-    hybrid KV-cache manager off and caches the sliding-window layers as full attention
-    (one group, more memory), which kvbackend's tiers serve."""
+def test_with_a_tier_vllm_keeps_its_hybrid_manager(gemma):
+    """kvbackend's tier connector is ``SupportsHMA``: with a tier, vLLM keeps the three
+    KV-cache groups (it turns its hybrid manager off for a connector that is not)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from kvbackend.vllm import engine_kwargs
 
     config = EngineArgs(model=gemma, dtype="float32", block_size=BLOCK_SIZE, **ENGINE,
                         **engine_kwargs(host_cache_gb=0.01)).create_engine_config()
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager
-    plain = EngineArgs(model=gemma, dtype="float32", block_size=BLOCK_SIZE, **ENGINE,
-                       **engine_kwargs()).create_engine_config()
-    assert not plain.scheduler_config.disable_hybrid_kv_cache_manager
+    assert not config.scheduler_config.disable_hybrid_kv_cache_manager
+
+
+def _block_files(directory) -> set[str]:
+    return set(glob.glob(os.path.join(str(directory), FORMAT_DIR, "*", "*", "*.kvb")))
+
+
+def test_host_and_disk_tiers_serve_every_group(gemma, ref, apc, tmp_path, capfd):
+    """Engine A (host + disk tiers) computes four prompts longer than the window, forgets
+    them on the device and loads them back from its host tier; engine B, a new process
+    on the same disk directory, loads them from disk, one of them through a damaged file
+    (the whole request is recomputed: vLLM takes no failed block ids with several
+    groups). Each tier block holds all three groups' KV, so a misplaced group or a hit
+    missing one would change the greedy outputs, which match vLLM without caching."""
+    from kvbackend.vllm import engine_kwargs
+
+    rng = random.Random(23)
+    system = tokens(rng, 140)
+    prompts = [system + tokens(rng, 160 + 9 * i) for i in range(3)] + [tokens(rng, 250)]
+    aligned = [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    want = [o.outputs[0].token_ids for o in run(ref, prompts)]
+    block_bytes = 3 * BLOCK_SIZE * 2 * 1 * 64 * 4  # a page of each group's one layer
+    disk = dict(disk_cache_dir=str(tmp_path))
+
+    assert apc.reset_prefix_cache()
+    llm = make_engine(gemma, "kvbackend", **ENGINE, disable_log_stats=False, **engine_kwargs(
+        host_cache_gb=64 * block_bytes / (1 << 30), **disk))
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == (
+            ENGINE["kv_cache_memory_bytes"] * 3 // block_bytes)  # three groups, one tensor
+        written = []
+        for prompt, w in zip(prompts, want):  # one at a time: each writes its own files
+            before = _block_files(tmp_path)
+            (got,), (base,) = run(llm, [prompt]), run(apc, [prompt])
+            assert got.outputs[0].token_ids == w == base.outputs[0].token_ids
+            assert got.num_cached_tokens >= base.num_cached_tokens
+            written.append(sorted(_block_files(tmp_path) - before, key=os.path.getmtime))
+        assert all(os.path.getsize(f) > block_bytes for f in written[0])
+        assert llm.reset_prefix_cache() and apc.reset_prefix_cache()  # the device forgets
+        before = cached_by_source(llm)
+        got, base = run(llm, prompts), run(apc, prompts)
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert [o.num_cached_tokens for o in got] == aligned  # every whole block
+        assert all(g.num_cached_tokens >= b.num_cached_tokens for g, b in zip(got, base))
+        gained = {k: v - before.get(k, 0) for k, v in cached_by_source(llm).items()}
+        assert sum(gained.values()) == sum(aligned), gained
+        # From host, but the shared system prompt of a request admitted after the first
+        # one's load published it on the device.
+        shared = len(system) // BLOCK_SIZE * BLOCK_SIZE
+        assert gained["host"] >= sum(aligned) - 2 * shared, gained
+    finally:
+        shutdown(llm)
+
+    victim = written[3][4]  # the last prompt's fifth block, damaged between the runs
+    with open(victim, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    capfd.readouterr()
+    llm = make_engine(gemma, "kvbackend", **ENGINE, **engine_kwargs(**disk))  # B: a new process
+    try:
+        got = run(llm, prompts[:3])
+        assert [o.outputs[0].token_ids for o in got] == want[:3]
+        assert [o.num_cached_tokens for o in got] == aligned[:3]  # from disk
+        (damaged,) = run(llm, prompts[3:])
+        assert damaged.outputs[0].token_ids == want[3]
+        assert damaged.num_cached_tokens == 4 * BLOCK_SIZE  # the blocks before the bad one
+    finally:
+        shutdown(llm)
+    logs = capfd.readouterr()
+    logs = logs.out + logs.err
+    assert "dropping bad block file" in logs
+    assert logs.count("its tier hit failed to load; the request is recomputed") == 1

@@ -19,7 +19,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from kvbackend.vllm.tier_identity import tier_identity
+from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
 from tests.vllm.conftest import BLOCK_SIZE
 
 BASE = {"dtype": "bfloat16", "max_model_len": 512, "block_size": BLOCK_SIZE}
@@ -99,3 +99,28 @@ def test_the_same_configuration_gives_the_same_digest_in_another_process(tiny_mo
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     assert theirs.pop("base") == base_digest
     assert theirs == {name: digest(tiny_model, *CHANGES[name]) for name in CHANGES}
+
+
+def test_the_kv_cache_groups_are_part_of_the_identity(tiny_model, base_digest):
+    """A payload holds one block of every group, in group order: blocks written with one
+    group layout (vLLM's hybrid manager off, or another split or order of the layers)
+    are never read with another, although the payloads have the same size."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    config = EngineArgs(model=tiny_model, **BASE).create_engine_config()
+    one = _kv_cache_config(config, "LBHNC")
+    (group,) = one.kv_cache_groups
+    spec = group.kv_cache_spec
+    window = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                               head_size=spec.head_size, dtype=spec.dtype, sliding_window=64)
+
+    def layout(*groups) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_layout="LBHNC",
+                             kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in groups])
+
+    first, second = group.layer_names
+    layouts = [one, layout((first, spec), (second, window)),
+               layout((second, window), (first, spec)), layout((first, spec), (second, spec))]
+    digests = [tier_identity(config, c, tp_rank=0).digest() for c in layouts]
+    assert digests[0] == base_digest and len(set(digests)) == len(layouts)
+    assert len({block_nbytes(c) for c in layouts}) == 1

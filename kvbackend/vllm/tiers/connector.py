@@ -9,15 +9,17 @@ class only adapts vLLM's calls to the part of its role:
     ``prefetch`` (called by ``KVBackendScheduler.add_request``) -> ``prefetch``:
     a waiting request's disk blocks are read into host memory after the next step,
     ``get_num_new_matched_tokens`` -> ``lookup`` (host and disk hits load
-    synchronously, a hit with remote blocks, or any hit under async scheduling,
-    asynchronously: ``loads_async``; prompts with multimodal inputs or embeddings
-    are never looked up: token ids do not name their KV),
+    synchronously; a hit with remote blocks, or any hit under async scheduling or
+    with several KV-cache groups, loads asynchronously: ``loads_async``; prompts
+    with multimodal inputs or embeddings are never looked up: token ids do not name
+    their KV),
     ``update_state_after_alloc`` -> ``allocated``,
     ``get_external_cache_hit_sources`` -> vLLM's ``CacheHitSource`` per tier,
     ``build_connector_meta`` -> ``plan_step`` (the orders travel as ``TierMetadata``),
     ``update_connector_output`` -> ``step_finished`` (``kv_load_failure_policy``
     is "recompute"; the manager publishes loaded tokens only once they are known
-    good), ``request_finished`` (with the request's ``kv_retain_s``: the host tier
+    good), ``request_finished`` / ``request_finished_all_groups`` (with the
+    request's ``kv_retain_s``: the host tier
     keeps its context behind ordinary blocks, at most ``max_retained_fraction`` of
     it), and ``reset_cache`` -> ``reset``.
     ``get_kv_connector_stats``: hit tokens per tier, the device's occupancy and
@@ -25,13 +27,23 @@ class only adapts vLLM's calls to the part of its role:
   WORKER (each worker process): ``TierWorker`` carries out the orders:
     ``start_load_kv`` (before the forward pass when the step loads) ->
     ``start_step``, ``wait_for_save`` (after it) -> ``finish_step``,
-    ``get_finished`` -> ``take_finished_loads`` (the requests whose asynchronous
-    loads are done; vLLM's WAITING_FOR_REMOTE_KVS ends with that report),
-    ``get_block_ids_with_load_errors`` -> ``take_load_errors``,
+    ``get_transfer_results`` -> ``take_finished_loads`` (the requests whose
+    asynchronous loads are done; vLLM's WAITING_FOR_REMOTE_KVS ends with that report)
+    and ``take_failed_requests``, ``get_block_ids_with_load_errors`` ->
+    ``take_load_errors``,
     ``get_kv_connector_stats`` -> ``take_stats``.
 
 Stats: ``kvbackend.vllm.tiers.metrics`` (``build_kv_connector_stats``,
 ``build_prom_metrics``): the ``kvbackend:`` series in vLLM's ``/metrics``.
+
+Several KV-cache groups (vLLM's hybrid manager, e.g. sliding-window + full
+attention): the connector is ``SupportsHMA``. A tier block is one logical block of
+kvbackend's manager (``kvbackend.vllm.block_groups``), its physical block in every
+group, saved and loaded as one payload under one key; the planner and the orders
+name it by its logical id, the worker's ``BlockMover`` moves physical blocks
+``[id * groups, (id + 1) * groups)``. vLLM takes no failed block ids with several
+groups (it raises), so every hit loads asynchronously and the workers report a
+failed load as a failed request (``failed_recving``), which vLLM recomputes whole.
 
 Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
 disk tier separates TP ranks by directory and header, the remote tier by key
@@ -56,11 +68,13 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole,
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -100,7 +114,7 @@ class TierMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
 
 
-class KVBackendTierConnector(KVConnectorBase_V1):
+class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbackend's host/disk tier connector (see the module docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -114,9 +128,11 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = KVBackendConfig.from_dict({k: extra[k] for k in TIER_KEYS if k in extra})
         self.kv_cache_config = kv_cache_config
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.block_nbytes = block_nbytes(kv_cache_config)
         self.planner: TierPlanner | None = None
-        self.worker = TierWorker(None)  # until register_kv_caches sets up the tiers
+        # Until register_kv_caches sets up the tiers:
+        self.worker = TierWorker(None, fail_requests=self.num_groups > 1)
         self._requests: dict[str, Request] = {}  # scheduler: the requests the planner knows
         self._stats = KVBackendStats()  # scheduler: tier hits since the last report
         self._device_seen = (0, -1, -1)  # scheduler: (hit tokens, used, pinned) last reported
@@ -161,7 +177,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                            max_retained=int(capacity * retained_fraction),
                            prefetch_step_blocks=PREFETCH_STEP_BYTES // max(1, self.block_nbytes),
                            max_steps_in_flight=self._vllm_config.max_concurrent_batches,
-                           all_loads_async=bool(
+                           all_loads_async=self.num_groups > 1 or bool(
                                self._vllm_config.scheduler_config.async_scheduling))
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
@@ -214,7 +230,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         """Load orders for the adopted tier hit. O(adopted blocks)."""
         if self.planner is None:
             return
-        (block_ids,) = blocks.get_block_ids()
+        block_ids = self._tier_block_ids(blocks.get_block_ids(), check=True)
         try:
             self.planner.allocated(request.request_id, block_ids, num_external_tokens)
             if num_external_tokens:
@@ -248,7 +264,7 @@ class KVBackendTierConnector(KVConnectorBase_V1):
             block_ids = state.get_block_ids(request_id) if state is not None else None
             if request is not None and block_ids is not None:
                 scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens,
-                                                  num_tokens, block_ids[0]))
+                                                  num_tokens, self._tier_block_ids(block_ids)))
         try:
             orders = self.planner.plan_step(scheduled)
         except Exception:  # noqa: BLE001
@@ -257,6 +273,21 @@ class KVBackendTierConnector(KVConnectorBase_V1):
             orders = self.planner.plan_step(())
         self._announce_tier_changes(orders)
         return TierMetadata(orders)
+
+    def _tier_block_ids(self, block_ids: tuple[list[int], ...],
+                        check: bool = False) -> Sequence[int]:
+        """A request's tier blocks: its block ids with one group, else its logical
+        blocks (``LogicalBlockIds``; ``check``: verified, O(groups * blocks), raising
+        ValueError for a table kvbackend's manager did not make: loading into it
+        would corrupt other blocks)."""
+        from kvbackend.vllm.block_groups import LogicalBlockIds
+
+        if self.num_groups == 1:
+            return block_ids[0]
+        logical = LogicalBlockIds(block_ids)
+        if check:
+            logical.check()
+        return logical
 
     def _announce_tier_changes(self, orders: StepOrders) -> None:
         """KV events (``--kv-events-config``, ``kv_events.py``): first what the planner
@@ -292,7 +323,9 @@ class KVBackendTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The step ran; its failed loads are known. O(loads of that step)."""
         if self.planner is not None:
-            self.planner.step_finished(connector_output.invalid_block_ids or ())
+            self.planner.step_finished(connector_output.invalid_block_ids or (),
+                                       connector_output.finished_recving or (),
+                                       connector_output.failed_recving or ())
 
     def get_kv_connector_stats(self) -> KVBackendStats | None:
         """Scheduler: tier hits since the last call, and the device's numbers when they
@@ -337,6 +370,15 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         return KVBackendPromMetrics(vllm_config, metric_types, labelnames,
                                     per_engine_labelvalues)
 
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict | None]:
+        """``SupportsHMA``: several KV-cache groups; as ``request_finished``."""
+        return self.request_finished(request, block_ids[0])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A tier block holds every group's KV, so a load restores every group."""
+        return tuple(range(self.num_groups))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; its blocks are freed at once (saves ran in its steps). O(1)."""
         self._requests.pop(request.request_id, None)
@@ -373,7 +415,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                 identity = tier_identity(self._vllm_config, self.kv_cache_config,
                                          tp_rank=_tp_rank())
                 remote = RemoteWriter(self._remote_tier(identity), REMOTE_QUEUE_BYTES)
-            self.worker = TierWorker(self._make_mover(kv_caches), remote, rank=_tp_rank())
+            self.worker = TierWorker(self._make_mover(kv_caches), remote, rank=_tp_rank(),
+                                     fail_requests=self.num_groups > 1)
         except Exception as e:  # noqa: BLE001
             logger.warning("kvbackend tiers: disabled on this worker (its loads are "
                            "recomputed): %s", e)
@@ -386,12 +429,15 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         from kvbackend.vllm.tiers.worker import cache_layers
 
         config = self.kv_cache_config
-        group = config.kv_cache_groups[0]
-        layers, block_dim = cache_layers(kv_caches, group.layer_names, config.num_blocks)
-        layout = block_layout(layers, block_dim)
-        if layout.block_nbytes != self.block_nbytes:
-            raise ValueError(f"a block holds {layout.block_nbytes} bytes over all layers, "
-                             f"expected {self.block_nbytes} from the KV cache spec")
+        groups = config.kv_cache_groups
+        layers, block_dim = cache_layers(
+            kv_caches, [name for group in groups for name in group.layer_names],
+            config.num_blocks)
+        nbytes = block_layout(layers, block_dim).block_nbytes * self.num_groups
+        if nbytes != self.block_nbytes:
+            raise ValueError(f"a block of every group holds {nbytes} bytes over the KV "
+                             f"tensors, expected {self.block_nbytes} from the KV cache "
+                             "specs (e.g. groups with different numbers of layers)")
         rank = _tp_rank()
         host = HostTier(self.host_bytes) if self.host_bytes > 0 else None
         disk = None
@@ -402,8 +448,8 @@ class KVBackendTierConnector(KVConnectorBase_V1):
                 logger.warning("kvbackend tiers: disk tier at %s is %s; the server keeps "
                                "serving without persisting KV blocks", self.settings.disk_cache_dir,
                                "read-only" if disk.mode is DiskMode.RO else "disabled")
-        return BlockMover(layers, block_dim, self.block_nbytes, group.kv_cache_spec.block_size,
-                          host, disk)
+        return BlockMover(layers, block_dim, self.block_nbytes, groups[0].kv_cache_spec.block_size,
+                          host, disk, num_groups=self.num_groups)
 
     def _disk_tier(self, identity: CacheIdentity, **options: Any) -> DiskTier:
         """The disk tier of one rank: ``disk_cache_gb`` split evenly across the ranks.
@@ -435,15 +481,19 @@ class KVBackendTierConnector(KVConnectorBase_V1):
         if orders is not None:
             self.worker.finish_step(orders)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The asynchronous loads done since the last call, and with several groups
+        those that failed (``TierWorker.take_failed_requests``)."""
         try:
-            return None, self.worker.take_finished_loads() or None
+            finished = self.worker.take_finished_loads()
+            failed = self.worker.take_failed_requests(finished)
+            return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
         except Exception:  # noqa: BLE001 - never fail the step for a cache
             logger.exception("kvbackend tiers: collecting remote loads failed")
-            return None, None
+            return KVConnectorTransferResults()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call. O(1)."""
+        """Blocks whose load failed since the last call (with one group). O(1)."""
         return self.worker.take_load_errors()
 
     def shutdown(self) -> None:

@@ -48,22 +48,22 @@ class StepOrders(NamedTuple):
     """One step's orders; every worker applies them in field order:
 
     before the forward pass: ``clear_host`` (empty the host tier), ``disk_off`` (stop
-    reading and writing the disk and remote tiers for good), ``drops`` (keys to remove from the
-    host tier), ``loads``, and ``failed`` (block ids to report as failed loads
-    without trying); after it: ``saves``, then ``prefetches`` (keys to read from disk
-    into the host tier, kept only if they verify: a waiting request's blocks, off the
-    forward pass). ``async_loads``: the requests whose loads
-    vLLM awaits asynchronously (those with a remote hit): their host and disk blocks
-    load with the others, their remaining blocks come from the remote tier in the
-    background, and each worker reports the request finished once they arrived
-    (or missed: failed loads, recomputed).
+    reading and writing the disk and remote tiers for good), ``drops`` (keys to remove
+    from the host tier), ``loads``, and ``failed`` ((request id, block id) pairs to
+    report as failed loads without trying); after it: ``saves``, then ``prefetches``
+    (keys to read from disk into the host tier, kept only if they verify: a waiting
+    request's blocks, off the forward pass). ``async_loads``: the requests whose loads
+    vLLM awaits asynchronously (those with a remote hit; every hit with several KV-cache
+    groups): their host and disk blocks load with the others, their remaining blocks
+    come from the remote tier in the background, and each worker reports the request
+    finished once they arrived (or missed: failed loads, recomputed).
     """
 
     clear_host: bool = False
     disk_off: bool = False
     drops: tuple[str, ...] = ()
     loads: tuple[LoadOrder, ...] = ()
-    failed: tuple[int, ...] = ()
+    failed: tuple[tuple[str, int], ...] = ()
     saves: tuple[SaveOrder, ...] = ()
     async_loads: tuple[str, ...] = ()
     prefetches: tuple[str, ...] = ()

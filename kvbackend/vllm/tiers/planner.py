@@ -36,8 +36,10 @@ identity). Calls, in vLLM's order within a step:
                         socket timeout, see ``RemoteTier``); capped at ``num_tokens - 1``.
                         A hit with remote blocks loads asynchronously (``loads_async``:
                         vLLM parks the request until the workers report its blocks
-                        arrived). The host keys it lists are pinned until the loads
-                        have run.
+                        arrived), and so does every hit with ``all_loads_async`` (async
+                        scheduling; several KV-cache groups: vLLM takes a failed load
+                        only as a failed request, ``step_finished``). The host keys it lists are pinned
+                        until the loads have run.
   ``allocated``         a load order per block vLLM adopted; a disk block is promoted
                         into the mirror when an unpinned slot can be made (a remote
                         block is not: it arrives steps later; its request's first
@@ -56,7 +58,11 @@ identity). Calls, in vLLM's order within a step:
                         ranks): their keys leave the mirror and every worker drops them;
                         vLLM recomputes from the first failed block of each request, and
                         that request's saves, deferred so far, carry the recomputed blocks.
-                        A step that reports nothing succeeded.
+                        Asynchronous requests whose load failed as a whole (several
+                        groups): every host key they loaded leaves the mirror (which
+                        block failed is not known; vLLM recomputes the whole request,
+                        whose retry must not hit the same missing key). A step that
+                        reports nothing succeeded.
   ``request_finished``  forgets the request; with ``retain_s`` (its ``kv_retain_s``) the
                         host keys of its context stay behind every ordinary host key
                         that long (``HostMirror.retain``, at most ``max_retained``
@@ -77,9 +83,10 @@ is never reported: planning a step beyond ``max_steps_in_flight`` retires it.
 With ``all_loads_async`` (async scheduling) every hit loads asynchronously: vLLM
 parks the request until its load step's output, failures included, is in, so no
 step computes on a load not yet known good (see ``kvbackend/vllm/manager.py``).
-The remote blocks of ``async_loads`` report their failures with their request's
-finish report, steps later; no such block is in the mirror, so there is nothing to
-drop, and vLLM recomputes them.
+With several KV-cache groups every hit loads asynchronously too (vLLM then takes a
+failed load only as a failed request). ``async_loads`` report their failures with
+their request's finish report, possibly steps later, so their loads are kept
+(``_awaited``) until that report.
 """
 
 from __future__ import annotations
@@ -140,7 +147,8 @@ class TierPlanner:
     worker's host tier holds, at most ``max_retained`` of them retained; ``clock``
     (seconds) times retentions. ``max_steps_in_flight``: steps planned before the oldest
     one's output is in (vLLM's ``max_concurrent_batches``: 2 with async scheduling);
-    ``all_loads_async``: every hit loads asynchronously (async scheduling).
+    ``all_loads_async``: every hit loads asynchronously (async scheduling, several
+    KV-cache groups: see ``lookup`` in the module docstring).
 
     Invariants (``check_invariants``):
       * the mirror's own (``HostMirror.check_invariants``);
@@ -154,7 +162,7 @@ class TierPlanner:
       * the queued prefetches, at most ``prefetch_step_blocks``, are arriving, unpinned
         mirror keys of known requests, and only while the disk is on;
       * a request listed for an asynchronous load had a remote hit in its lookup, or
-        every load is asynchronous.
+        every load is asynchronous; the loads awaited are those of known requests.
     """
 
     def __init__(self, block_size: int, key_digest: str, host_capacity: int,
@@ -186,8 +194,9 @@ class TierPlanner:
         # Per step sent and not known finished, oldest first: request -> its loads.
         self._in_flight: deque[dict[str, _Loads]] = deque(maxlen=max_steps_in_flight)
         self._loads: list[LoadOrder] = []
-        self._failed: list[int] = []
+        self._failed: list[tuple[str, int]] = []  # (request, block id) to fail unloaded
         self._async: dict[str, None] = {}  # requests admitted with an asynchronous load
+        self._awaited: dict[str, _Loads] = {}  # async loads sent, until their report
         self._drops: list[str] = []
         self._clear_host = self._disk_off = False
         self._facts: list[TierFact] = []  # disk / remote keys seen held or missing, in order
@@ -324,7 +333,7 @@ class TierPlanner:
             st.sources = {}
             if st.load_async and block_ids:
                 self._async[request_id] = None
-        self._failed.extend(block_ids)
+        self._failed.extend((request_id, block_id) for block_id in block_ids)
         self._step_loads.setdefault(request_id, _Loads())
 
     def hit_sources(self, request_id: str, num_external_tokens: int) -> dict[Source, int]:
@@ -355,6 +364,8 @@ class TierPlanner:
             self._unpin(step_loads.pinned)  # loaded in this step, before any later drop
             step_loads.pinned = []
         prefetches = tuple(self._prefetches)
+        for request_id in self._async:  # unpinned above
+            self._awaited[request_id] = self._step_loads.get(request_id, _Loads())
         orders = StepOrders(self._clear_host, self._disk_off, tuple(self._drops), tuple(loads),
                             tuple(self._failed), tuple(saves), tuple(self._async), prefetches)
         self._prefetches.clear()
@@ -366,26 +377,39 @@ class TierPlanner:
         self.host.orders_sent()
         return orders
 
-    def step_finished(self, failed_block_ids: Collection[int]) -> None:
+    def step_finished(self, failed_block_ids: Collection[int],
+                      finished_requests: Collection[str] = (),
+                      failed_requests: Collection[str] = ()) -> None:
         """The oldest step in flight ran; ``failed_block_ids`` failed to load on at least
-        one rank (matched against every step in flight: see the module docstring).
-        O(loads of the steps in flight)."""
+        one rank (matched against every step in flight: see the module docstring); the
+        asynchronous loads of ``finished_requests`` ended, those of ``failed_requests``
+        (among them) failed as a whole. O(loads of the steps in flight and of the
+        requests reported)."""
         in_flight = [item for step in self._in_flight for item in step.items()]
         if self._in_flight:
             self._in_flight.popleft()
-        if not failed_block_ids:
+        awaited = [(r, self._awaited.pop(r)) for r in finished_requests if r in self._awaited]
+        if not (failed_block_ids or failed_requests):
             return
         failed = set(failed_block_ids)
-        for request_id, loads in in_flight:
-            bad = [key for block_id, key in loads.blocks.items() if block_id in failed]
-            for key in bad:  # gone or corrupt on some rank; a rank that loaded it drops it
+        bad: dict[str, set[str]] = {}  # request -> its keys that failed to load
+        for request_id, loads in [*in_flight, *awaited]:
+            whole = request_id in failed_requests
+            bad.setdefault(request_id, set()).update(
+                key for block_id, key in loads.blocks.items() if whole or block_id in failed)
+        for request_id, keys in bad.items():
+            for key in keys:  # gone or corrupt on some rank; a rank that loaded it drops it
                 if self.host.remove(key):
                     self._drops.append(key)
-                self._facts += [TierFact(Source.DISK, key, None),
-                                TierFact(Source.REMOTE, key, None)]
-            if bad:
+                if request_id not in failed_requests:  # a failed request names no key
+                    self._facts += [TierFact(Source.DISK, key, None),
+                                    TierFact(Source.REMOTE, key, None)]
+            if request_id in failed_requests:
+                logger.warning("kvbackend tiers: request %s: its tier hit failed to load; the "
+                               "request is recomputed", request_id)
+            elif keys:
                 logger.warning("kvbackend tiers: request %s: %d block(s) failed to load from "
-                               "host/disk; they are recomputed", request_id, len(bad))
+                               "host/disk; they are recomputed", request_id, len(keys))
 
     def take_tier_facts(self) -> list[TierFact]:
         """What lookups, prefetches, loads and failed loads learned of disk and remote
@@ -405,6 +429,7 @@ class TierPlanner:
         now = self.clock()
         self.host.expire(now)
         st = self._requests.pop(request_id, None)
+        self._awaited.pop(request_id, None)
         for key in [k for k, r in self._prefetches.items() if r == request_id]:
             del self._prefetches[key]  # arriving: no worker holds it, nothing to drop
             self.host.remove(key)
@@ -429,6 +454,7 @@ class TierPlanner:
         self.forget_host()
         self._requests.clear()
         self._in_flight.clear()
+        self._awaited.clear()
 
     def forget_host(self) -> None:
         """Forget the host tier; every worker clears its own with the next orders.
@@ -535,6 +561,9 @@ class TierPlanner:
         if no_remote:
             raise RuntimeError(f"requests {no_remote[:3]} load asynchronously without a "
                                "remote hit")
+        unknown = [r for r in self._awaited if r not in self._requests]
+        if unknown:
+            raise RuntimeError(f"loads of finished requests {unknown[:3]} still awaited")
 
 
 __all__ = ["TierPlanner"]

@@ -23,7 +23,11 @@ layers) at a time, without staging copies on a CPU cache:
                    the prefetches: disk blocks read into the host tier.
   ``take_load_errors``  the blocks that missed or failed verification since the last
                    call; they were scattered nowhere. vLLM unions every rank's errors
-                   and recomputes from each request's first failed block.
+                   and recomputes from each request's first failed block. With
+                   ``fail_requests`` (several KV-cache groups, where vLLM takes no
+                   failed block ids) a failed block fails its request instead, which
+                   is then asynchronous: ``take_failed_requests``, and vLLM recomputes
+                   it whole.
   ``take_stats``   bytes, seconds and verification failures per tier since the last
                    call, and the tiers' occupancy (``kvbackend.vllm.tiers.metrics``):
                    counted per step and tier, nothing per block.
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -57,14 +61,16 @@ class TierWorker:
     tiers could not be set up on this worker) every load fails and nothing is
     saved. ``remote``: the remote tier's writer (its ``tier`` serves the loads, through
     a ``RemoteReader``), or None. ``rank`` names this worker's gauges in the stats.
-    Calls must not overlap.
+    ``fail_requests``: report failed loads per request (module docstring). Calls must
+    not overlap.
 
     Invariant: every ``async_loads`` request is reported by ``take_finished_loads``
     exactly once (vLLM holds its blocks until then), after its blocks were
-    scattered or reported as load errors; ``fetching`` lists the ones still out."""
+    scattered or reported as load errors (with ``fail_requests``: it is then in
+    ``take_failed_requests``); ``fetching`` lists the ones still out."""
 
     def __init__(self, mover: BlockMover | None, remote: RemoteWriter | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, fail_requests: bool = False) -> None:
         self.mover = mover
         self.remote = remote
         self.reader = RemoteReader(remote.tier) if remote is not None else None
@@ -73,15 +79,17 @@ class TierWorker:
         self._remote_corrupt = 0  # the remote tier's corrupt count, last seen
         self.rank = str(rank)
         self._load_errors: set[int] = set()
+        self.fail_requests = fail_requests
+        self._failed_requests: set[str] = set()  # with fail_requests: until reported finished
         self._stats = KVBackendStats()
         self._moved = False  # since the last take_stats: the gauges may have changed
 
     def start_step(self, orders: StepOrders) -> None:
         """Clears, drops and loads, before the forward pass. O(drops + loaded bytes)."""
         mover = self.mover
-        self._load_errors.update(orders.failed)
+        self._fail(orders.failed)
         if mover is None:
-            self._load_errors.update(o.block_id for o in orders.loads)
+            self._fail((o.request_id, o.block_id) for o in orders.loads)
             self._finished.update(orders.async_loads)
             return
         try:
@@ -102,14 +110,14 @@ class TierWorker:
             logger.exception("kvbackend tiers: loading blocks failed; they are recomputed")
             missed = list(orders.loads)
         background = set(orders.async_loads)
-        self._load_errors.update(o.block_id for o in missed if o.request_id not in background)
+        self._fail((o.request_id, o.block_id) for o in missed if o.request_id not in background)
         for request_id in orders.async_loads:
             self._fetch(request_id, [o for o in missed if o.request_id == request_id])
 
     def _fetch(self, request_id: str, loads: list[LoadOrder]) -> None:
         """Have the reader fetch ``loads`` of one async request (none: done already)."""
         if not loads or self.reader is None or self.remote is None:
-            self._load_errors.update(o.block_id for o in loads)
+            self._fail((o.request_id, o.block_id) for o in loads)
             self._finished.add(request_id)
             return
         self.fetching[request_id] = loads
@@ -131,7 +139,7 @@ class TierWorker:
                                  "recomputed")
                 found = []
             placed = {block_id for block_id, _, _, _ in found}
-            self._load_errors.update(o.block_id for o in loads if o.block_id not in placed)
+            self._fail((o.request_id, o.block_id) for o in loads if o.block_id not in placed)
             self._loaded("remote", len(found), seconds)
             self._finished.add(request_id)
             self._moved = True
@@ -245,9 +253,25 @@ class TierWorker:
             self.reader.close()
 
     def take_load_errors(self) -> set[int]:
-        """Block ids whose load failed since the last call. O(1)."""
+        """Block ids whose load failed since the last call (none with ``fail_requests``).
+        O(1)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_requests(self, finished: set[str]) -> set[str]:
+        """Those of ``finished`` (``take_finished_loads``) whose load failed, with
+        ``fail_requests``. O(finished)."""
+        failed = self._failed_requests & finished
+        self._failed_requests -= failed
+        return failed
+
+    def _fail(self, loads: Iterable[tuple[str, int]]) -> None:
+        """Record failed loads, as (request id, block id) pairs."""
+        for request_id, block_id in loads:
+            if self.fail_requests:
+                self._failed_requests.add(request_id)
+            else:
+                self._load_errors.add(block_id)
 
     def take_stats(self) -> KVBackendStats | None:
         """What moved since the last call and, if anything did, the host and disk
