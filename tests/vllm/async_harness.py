@@ -189,9 +189,10 @@ class ContentWorker:
         if not out.has_sync_kv_loads:
             connector.start_load_kv(None)
         connector.wait_for_save()
-        _, finished_recving = connector.get_finished(out.finished_req_ids)
+        transfers = connector.get_transfer_results(out.finished_req_ids)
         failed |= connector.get_block_ids_with_load_errors()
-        result = KVConnectorOutput(finished_recving=finished_recving or set(),
+        result = KVConnectorOutput(finished_recving=transfers.finished_recving,
+                                   failed_recving=transfers.failed_recving,
                                    invalid_block_ids=failed)
         connector.clear_connector_metadata()
         return starts, poisoned, None if result.is_empty() else result
