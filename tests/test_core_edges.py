@@ -104,6 +104,27 @@ def test_pool_exhausted_returns_none_and_changes_nothing():
     cache.check_invariants()
 
 
+def test_a_hit_inside_a_long_entry_can_evict_that_entry_s_unmatched_tail():
+    """Opening locks only the matched prefix: the rest of the node the hit ends in stays
+    evictable. (Locking the whole node left a waiting request unable to open although 8
+    blocks were allocatable: on an idle engine, nothing else would ever free them.)"""
+    cache = PrefixCache(num_blocks=9, block_size=BS)  # 8 usable blocks
+    doc = list(range(100, 128))  # 28 tokens: one 7-block entry
+    run(cache, doc)
+    prompt = doc[:10] + list(range(200, 207))  # 17 tokens: 2 shared + 3 new blocks
+    match = cache.match(prompt)
+    assert match.num_tokens == 10 and cache.num_allocatable_blocks == 8
+    seq = cache.open_sequence(match, len(prompt))
+    assert seq is not None
+    cache.check_invariants()
+    cache.take_block_copies()
+    cache.complete_block_copies()
+    cache.cache(seq, prompt)
+    cache.release(seq)
+    cache.check_invariants()
+    assert 10 <= cache.match(doc).num_tokens < len(doc)  # its tail was evicted, not its head
+
+
 def test_fork_shares_full_blocks_and_copies_the_partial_one(cache):
     seq = cache.open_sequence(cache.match(list(range(6))), 6)
     child = cache.fork(seq)

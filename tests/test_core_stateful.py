@@ -88,14 +88,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for p in range(match.num_tokens):
             assert self.slot(match.block_ids, p) == tuple(tokens[: p + 1]), "wrong KV for a hit"
         need = -(-len(tokens) // BLOCK_SIZE) - match.num_full_blocks
-        # Opening locks the matched path: its evictable blocks stop being allocatable.
-        path_blocks, node = set(), match.node
-        while node.parent is not None:
-            path_blocks.update(node.block_ids)
-            node = node.parent
+        # Opening locks the matched prefix only: its evictable blocks stop being
+        # allocatable, the rest of a node it ends inside does not.
         pool = self.cache.pool
         allocatable = self.cache.num_allocatable_blocks - sum(
-            1 for b in path_blocks if pool.hold_cnt[b] == 0)
+            1 for b in set(match.block_ids) if pool.hold_cnt[b] == 0)
         seq = self.cache.open_sequence(match, len(tokens))
         if seq is None:
             assert need > allocatable

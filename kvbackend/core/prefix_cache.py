@@ -159,9 +159,11 @@ class PrefixCache:
     def open_sequence(self, match: PrefixMatch, num_tokens: int | None = None) -> Sequence | None:
         """Start a sequence from ``match`` with room for ``num_tokens`` (default: the match).
 
-        Shares the matched full blocks; a partial block is copied on write.
-        Complexity: O(depth + blocks). Returns None, changing nothing, when the
-        pool cannot supply the blocks.
+        Shares the matched full blocks; a partial block is copied on write. Only the
+        matched prefix is locked (a node running past it is split), so the pool
+        supplies the blocks whenever enough are allocatable outside that prefix.
+        Complexity: O(depth + blocks + tokens of a split node). Returns None when the
+        pool cannot supply the blocks, changing nothing but that split.
         """
         if not self.tree.is_current(match):
             raise ValueError("stale PrefixMatch: the cache changed since the match; match again")
@@ -170,16 +172,21 @@ class PrefixCache:
             raise ValueError(f"num_tokens {total} is below the {match.num_tokens} matched tokens")
         shared = list(match.block_ids[: match.num_full_blocks])
         num_new = cdiv(total, self.block_size) - len(shared)
-        self.tree.lock(match.node)  # keeps the matched blocks out of eviction below
+        # Lock exactly the matched prefix: a node running past it is split first, so
+        # its unmatched tail stays evictable for the allocation below.
+        node = match.node
+        if not node.is_root and node.end > match.num_tokens:
+            node = self.tree.split_at(node, match.num_tokens)
+        self.tree.lock(node)  # keeps the matched blocks out of eviction below
         new_blocks = self._allocate(num_new)
         if new_blocks is None:
-            self.tree.unlock(match.node)
+            self.tree.unlock(node)
             return None
         self.pool.ref(shared, hold=True)
         if match.num_partial_tokens:
             self._order_copy(match.block_ids[-1], new_blocks[0], match.num_partial_tokens)
-        seq = Sequence(next(self._ids), match.node.namespace, shared + new_blocks, total,
-                       match.node, match.num_tokens)
+        seq = Sequence(next(self._ids), node.namespace, shared + new_blocks, total, node,
+                       match.num_tokens)
         self._sequences[seq.seq_id] = seq
         return seq
 
