@@ -58,3 +58,16 @@ def tree_files(root, suffix: str = "") -> list[str]:
     """Every file (symlinks not followed) under ``root`` whose name ends with ``suffix``."""
     return sorted(os.path.join(d, n) for d, _, names in os.walk(root)
                   for n in names if n.endswith(suffix))
+
+
+def damage_file(path: str, rot: bool) -> None:
+    """What another process or the disk may do to a block file: flip its last byte
+    (``rot``: its checksum fails) or delete it (evicted)."""
+    if rot:
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x01]))
+    else:
+        os.unlink(path)

@@ -47,6 +47,7 @@ from kvbackend.store import CacheIdentity, DiskTier, HostTier, compute_block_key
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
 from kvbackend.vllm.tiers.planner import TierPlanner
 from kvbackend.vllm.tiers.worker import TierWorker
+from tests.store_helpers import damage_file
 
 BS = 4  # tokens per block
 ROW = 64  # bytes of one block over all layers
@@ -262,14 +263,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
             return
         path = paths[pick % len(paths)]
         self.tampered.add((rank, os.path.basename(path)[:-4]))
-        if rot:
-            with open(path, "r+b") as f:
-                f.seek(-1, os.SEEK_END)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([byte[0] ^ 0x01]))
-        else:
-            os.unlink(path)
+        damage_file(path, rot)
 
     @precondition(lambda self: self.steps_since_reset >= 12)
     @rule()

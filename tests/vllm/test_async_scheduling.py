@@ -21,7 +21,6 @@ planner's invariants, and that its host mirror equals the worker's host tier.
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import tempfile
 
@@ -38,6 +37,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from kvbackend.vllm import tier_transfer_config
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
+from tests.store_helpers import damage_file, tree_files
 from tests.vllm.async_harness import VOCAB, AsyncHarness, async_config, tier_gb
 
 BLOCK_SIZE = 4
@@ -66,25 +66,11 @@ def with_tiers(config):
     return config
 
 
-def disk_files(root: str) -> list[str]:
-    return sorted(os.path.join(d, f) for d, _, files in os.walk(root)
-                  for f in files if f.endswith(".kvb"))
-
-
 def damage_a_disk_file(root: str, pick: int, rot: bool) -> None:
     """Another process evicts a block file, or it rots: its next load fails."""
-    paths = disk_files(root)
-    if not paths:
-        return
-    path = paths[pick % len(paths)]
-    if rot:
-        with open(path, "r+b") as f:
-            f.seek(-1, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0x01]))
-    else:
-        os.unlink(path)
+    paths = tree_files(root, ".kvb")
+    if paths:
+        damage_file(paths[pick % len(paths)], rot)
 
 
 def failing_tier_load(config, root: str) -> AsyncHarness:
@@ -99,7 +85,7 @@ def failing_tier_load(config, root: str) -> AsyncHarness:
     harness.add("d", [40, 41, 42, 43, 44], max_tokens=1)  # evicts A's block 0 from host
     harness.run_to_end()
     assert harness.scheduler.kv_cache_manager.reset_prefix_cache()
-    for i in range(len(disk_files(root))):
+    for i in range(len(tree_files(root, ".kvb"))):
         damage_a_disk_file(root, i, rot=True)
     return harness
 
@@ -165,46 +151,51 @@ def test_a_shared_prefix_is_reused_under_async_scheduling(config):
             harness.schedule()
 
 
+class HarnessMachine(RuleBasedStateMachine):
+    """Requests arriving with shared prefixes, steps scheduled (up to the harness's steps
+    in flight), outputs delivered, aborts; subclasses start ``self.harness``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.harness: AsyncHarness | None = None
+        self.next_id = 0
+
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.just(10) | st.integers(0, 10),
+          suffix=st.lists(st.integers(0, VOCAB - 1), max_size=9),
+          max_tokens=st.integers(1, 5))
+    def arrive(self, prefix, cut, suffix, max_tokens):
+        prompt = prefix[:cut] + suffix
+        if prompt:
+            self.harness.add(f"r{self.next_id}", prompt, max_tokens)
+            self.next_id += 1
+
+    @precondition(lambda self: len(self.harness.in_flight) < self.harness.max_in_flight)
+    @rule()
+    def schedule(self):
+        self.harness.schedule()
+
+    @precondition(lambda self: self.harness.in_flight)
+    @rule()
+    def deliver(self):
+        self.harness.deliver()
+
+    @precondition(lambda self: self.harness.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(self.harness.scheduler.requests)
+        self.harness.abort(data.draw(st.sampled_from(live)))
+
+
 def test_kvbackend_async_scheduling_stateful(config):
     """One machine for both schedulers: a third of the runs schedule synchronously."""
     sync_config = copy.deepcopy(config)
     sync_config.scheduler_config.async_scheduling = False
 
-    class AsyncSchedulingMachine(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.harness = None
-            self.next_id = 0
-
+    class AsyncSchedulingMachine(HarnessMachine):
         @initialize(mode=st.sampled_from(["async", "async", "sync"]))
         def start(self, mode):
             self.harness = AsyncHarness(config if mode == "async" else sync_config,
                                         num_blocks=NUM_BLOCKS)
-
-        @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 10),
-              suffix=st.lists(st.integers(0, VOCAB - 1), max_size=9),
-              max_tokens=st.integers(1, 6))
-        def arrive(self, prefix, cut, suffix, max_tokens):
-            prompt = prefix[:cut] + suffix
-            if prompt:
-                self.harness.add(f"r{self.next_id}", prompt, max_tokens)
-                self.next_id += 1
-
-        @precondition(lambda self: len(self.harness.in_flight) < self.harness.max_in_flight)
-        @rule()
-        def schedule(self):
-            self.harness.schedule()
-
-        @precondition(lambda self: self.harness.in_flight)
-        @rule()
-        def deliver(self):
-            self.harness.deliver()
-
-        @precondition(lambda self: self.harness.scheduler.requests)
-        @rule(data=st.data())
-        def abort(self, data):
-            live = sorted(self.harness.scheduler.requests)
-            self.harness.abort(data.draw(st.sampled_from(live)))
 
         @invariant()
         def cache_is_consistent(self):
@@ -220,12 +211,10 @@ def test_kvbackend_async_scheduling_with_tiers_stateful(config):
     sync_tiered = copy.deepcopy(tiered)
     sync_tiered.scheduler_config.async_scheduling = False
 
-    class TieredMachine(RuleBasedStateMachine):
+    class TieredMachine(HarnessMachine):
         def __init__(self) -> None:
             super().__init__()
             self.root = tempfile.mkdtemp(prefix="kvb-async-tiers-")
-            self.harness = None
-            self.next_id = 0
 
         def teardown(self) -> None:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -237,31 +226,6 @@ def test_kvbackend_async_scheduling_with_tiers_stateful(config):
                 "host_cache_gb": tier_gb(chosen, 2), "disk_cache_dir": self.root})
             # A failed prefetch leaves the mirror wrong by design (the planner's docstring).
             self.harness.scheduler.connector.planner.prefetch_step_blocks = 0
-
-        @rule(prefix=st.sampled_from(PREFIXES), cut=st.just(10) | st.integers(0, 10),
-              suffix=st.lists(st.integers(0, VOCAB - 1), max_size=9),
-              max_tokens=st.integers(1, 4))
-        def arrive(self, prefix, cut, suffix, max_tokens):
-            prompt = prefix[:cut] + suffix
-            if prompt:
-                self.harness.add(f"r{self.next_id}", prompt, max_tokens)
-                self.next_id += 1
-
-        @precondition(lambda self: len(self.harness.in_flight) < self.harness.max_in_flight)
-        @rule()
-        def schedule(self):
-            self.harness.schedule()
-
-        @precondition(lambda self: self.harness.in_flight)
-        @rule()
-        def deliver(self):
-            self.harness.deliver()
-
-        @precondition(lambda self: self.harness.scheduler.requests)
-        @rule(data=st.data())
-        def abort(self, data):
-            live = sorted(self.harness.scheduler.requests)
-            self.harness.abort(data.draw(st.sampled_from(live)))
 
         @rule(damage=st.lists(st.tuples(st.integers(0, 1 << 20), st.booleans()), max_size=2))
         def finish_all_and_drop_the_device_cache(self, damage):
