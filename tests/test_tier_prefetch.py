@@ -14,6 +14,7 @@ from kvbackend.store import CacheIdentity, DiskTier, HostTier, compute_block_key
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source, StepOrders
 from kvbackend.vllm.tiers.planner import TierPlanner
 from kvbackend.vllm.tiers.worker import TierWorker
+from tests.store_helpers import damage_file
 
 BS = 4
 ROW = 64  # bytes of one block over all layers
@@ -138,11 +139,7 @@ def test_a_damaged_disk_file_is_never_a_wrong_hit(tiers):
     rotten = orders.prefetches[1]
     path = next(os.path.join(d, f) for d, _, files in os.walk(t.disk.base) for f in files
                 if f == rotten + ".kvb")
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 1]))
+    damage_file(path, rot=True)
     t.worker.start_step(orders)
     t.worker.finish_step(orders)
     assert not t.host.contains(rotten) and rotten in t.planner.host  # the mirror is wrong

@@ -19,6 +19,7 @@ from vllm import SamplingParams
 
 from kvbackend.store.disk_tier import FORMAT_DIR
 from kvbackend.testing.tiny_model import build_tiny_gemma3
+from tests.store_helpers import damage_file
 from tests.token_reference import lcp
 from tests.vllm.conftest import BLOCK_SIZE, cached_by_source, make_engine, shutdown
 
@@ -183,11 +184,7 @@ def test_host_and_disk_tiers_serve_every_group(gemma, ref, apc, tmp_path, capfd)
         shutdown(llm)
 
     victim = written[3][4]  # the last prompt's fifth block, damaged between the runs
-    with open(victim, "r+b") as f:
-        f.seek(-100, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x40]))
+    damage_file(victim, rot=True)
     capfd.readouterr()
     llm = make_engine(gemma, "kvbackend", **ENGINE, **engine_kwargs(**disk))  # B: a new process
     try:
