@@ -20,6 +20,9 @@ Invariants (checked by ``check_invariants``, on top of the tree's and the pool's
     * lock_ref(node) == #(sequences and pins locked on the node's subtree)
     * a sequence owns ceil(num_tokens / block_size) blocks or more; its last block
       (the one it writes) is referenced by nothing else while it is partial
+    * a sequence's locked node covers its ``num_locked_tokens`` (the root for 0); it
+      ends there when locked (a longer entry is split), and runs past it only where
+      another sequence's insert extended that leaf since
 """
 
 from __future__ import annotations
@@ -174,9 +177,7 @@ class PrefixCache:
         num_new = cdiv(total, self.block_size) - len(shared)
         # Lock exactly the matched prefix: a node running past it is split first, so
         # its unmatched tail stays evictable for the allocation below.
-        node = match.node
-        if not node.is_root and node.end > match.num_tokens:
-            node = self.tree.split_at(node, match.num_tokens)
+        node = self._node_ending_at(match.node, match.num_tokens)
         self.tree.lock(node)  # keeps the matched blocks out of eviction below
         new_blocks = self._allocate(num_new)
         if new_blocks is None:
@@ -218,7 +219,7 @@ class PrefixCache:
             raise ValueError(f"cannot cache {len(tokens)} tokens of a "
                              f"{seq.num_tokens}-token sequence")
         result = self.tree.insert(tokens, seq.block_ids, seq.namespace, priority=priority)
-        if len(tokens) >= seq.num_locked_tokens:
+        if len(tokens) >= seq.num_locked_tokens:  # insert split: result.node ends there
             self.tree.lock(result.node)
             self.tree.unlock(seq.node)
             seq.node, seq.num_locked_tokens = result.node, len(tokens)
@@ -247,6 +248,12 @@ class PrefixCache:
         self._sequences[child.seq_id] = child
         return child
 
+    def _node_ending_at(self, node: RadixNode, num_tokens: int) -> RadixNode:
+        """The node of ``node``'s path ending exactly at ``num_tokens`` (the root for 0),
+        splitting the one that runs past it: a sequence locks exactly its prefix, so the
+        rest of a longer cached entry stays evictable. O(depth + tokens of a split node)."""
+        return self.tree.split_at(node, num_tokens) if num_tokens else node
+
     def release(self, seq: Sequence, *, retain_s: float = 0) -> bool:
         """Drop ``seq``'s blocks and lock; cached blocks stay matchable. With ``retain_s``
         the tokens it cached (``num_locked_tokens``) stay ahead of ordinary entries
@@ -256,9 +263,8 @@ class PrefixCache:
         self._check_live(seq)
         retained = False
         if retain_s:  # nothing cached (a root): validated, not retained
-            node = seq.node if not seq.num_locked_tokens else self.tree.split_at(
-                seq.node, seq.num_locked_tokens)
-            retained = self.tree.retain(node, retain_s)
+            retained = self.tree.retain(
+                self._node_ending_at(seq.node, seq.num_locked_tokens), retain_s)
         seq.released = True
         del self._sequences[seq.seq_id]
         self.pool.unref(seq.block_ids, hold=True)
@@ -339,6 +345,9 @@ class PrefixCache:
         for seq in self._sequences.values():
             if len(seq.block_ids) < cdiv(seq.num_tokens, self.block_size):
                 raise RuntimeError(f"sequence {seq.seq_id} has too few blocks")
+            if (seq.node.end if not seq.node.is_root else 0) < seq.num_locked_tokens:
+                raise RuntimeError(f"sequence {seq.seq_id} locks {seq.node!r}, short of "
+                                   f"its {seq.num_locked_tokens} cached tokens")
             refs.update(seq.block_ids)
             holds.update(seq.block_ids)
             locks[seq.node.node_id] += 1
