@@ -28,10 +28,12 @@ handed out again first, the copy is never announced.
 
 What is announced for each tier (the tier connector's ``_announce_tier_changes``):
 
-- host: stored when a save or a promoting load puts a block there, removed when
-  the planner drops it or clears the tier; exact, as the scheduler decides every
-  change of the workers' host tiers. (A disk-to-host prefetch, for a block not on
-  the device, is not announced.)
+- host: stored when a save, a promoting load or a disk-to-host prefetch puts a
+  block there (a prefetched block under its disk copy's announcement: one this
+  process never announced, written by another process and not loaded here, is not
+  announced in host either), removed when the planner drops it or clears the tier;
+  as the scheduler decides every change of the workers' host tiers, exact but for
+  a prefetch that fails on a worker (announced, not there: a hint, as below).
 - disk and remote: stored when a save is ordered (written best effort after the
   step: a write that fails, a full remote queue, or a read-only disk drops it) and
   when a block is loaded from there; removed when the scheduler learns it is gone:
@@ -167,8 +169,21 @@ class BlockEvents:
         if announced is not None:
             self._announce_copy(copy, announced.event)
         else:
-            self._waiting.setdefault(block_id, {})[copy] = None
-            self._waits_on[copy] = block_id
+            self._wait(copy, block_id)
+
+    def tier_copied(self, source: Tier, tier: Tier, key: str) -> None:
+        """``tier`` now holds (or is being sent) a copy of ``source``'s block ``key``
+        (a disk-to-host prefetch, for a block perhaps not on the device): announced as
+        ``source``'s copy is, now or once its device block is. Nothing when ``source``'s
+        copy is not announced (another process wrote it and no load here read it)."""
+        copy = (tier, key)
+        if copy in self.tier_copies or copy in self._waits_on:
+            return
+        announced = self.tier_copies.get((source, key))
+        if announced is not None:
+            self._announce_copy(copy, announced)
+        elif (source, key) in self._waits_on:
+            self._wait(copy, self._waits_on[(source, key)])
 
     def tier_removed(self, tier: Tier, key: str) -> None:
         """``tier`` no longer holds ``key`` (or is known not to). Not announced: nothing."""
@@ -210,6 +225,11 @@ class BlockEvents:
             if (event.medium, event.locality) != tier:
                 raise RuntimeError(f"a copy in {tier} was announced as ({event.medium}, "
                                    f"{event.locality})")
+
+    def _wait(self, copy: _Copy, block_id: int) -> None:
+        """Announce ``copy`` once device block ``block_id`` is announced."""
+        self._waiting.setdefault(block_id, {})[copy] = None
+        self._waits_on[copy] = block_id
 
     def _announce_copy(self, copy: _Copy, event: BlockStored) -> None:
         tier = copy[0]

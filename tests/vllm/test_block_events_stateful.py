@@ -1,5 +1,5 @@
 """``BlockEvents`` under any order of device stores and reuses, tier copies (host,
-disk, remote), tier drops and resets: its invariants hold after every step, and a
+disk, remote; disk-to-host prefetches), tier drops and resets: its invariants hold after every step, and a
 router that replays the events it published holds exactly what the device and each
 tier hold."""
 
@@ -63,6 +63,18 @@ class BlockEventsMachine(RuleBasedStateMachine):
     def tier_put(self, tier, block: int) -> None:
         self.events.tier_stored(tier, f"k{block}", block)
         self.copies.setdefault((tier, block), block in self.device)
+
+    @rule(data=st.data())
+    def disk_to_host_prefetch(self, data) -> None:
+        """A copy of a disk block (mostly one the disk holds): held (and shown) as the
+        disk's copy is; none when the disk's copy is unknown here (another process
+        wrote it)."""
+        on_disk = sorted(b for t, b in self.copies if t == DISK)
+        block = data.draw(st.sampled_from(on_disk) if on_disk and data.draw(st.booleans())
+                          else blocks)
+        self.events.tier_copied(DISK, HOST, f"k{block}")
+        if (DISK, block) in self.copies:
+            self.copies.setdefault((HOST, block), self.copies[DISK, block])
 
     @rule(tier=tiers, block=blocks)
     def tier_drop(self, tier, block: int) -> None:

@@ -24,7 +24,7 @@ from kvbackend.testing.tiny_model import build_tiny_gemma3  # noqa: E402
 from kvbackend.vllm import engine_kwargs  # noqa: E402
 from kvbackend.vllm.kv_events import DISK, HOST  # noqa: E402
 
-from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown  # noqa: E402
+from tests.vllm.conftest import BLOCK_SIZE, cached_by_source, make_engine, shutdown  # noqa: E402
 from tests.vllm.tier_harness import host_gb  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -225,3 +225,35 @@ def test_disk_blocks_are_announced_and_removed_once_a_lookup_finds_them_gone(tin
                for h in e.block_hashes]
     assert removed == [hashes[found["cached"] // BLOCK_SIZE]]  # where the lookup stopped
     assert held_by_tier(events)[DISK] == set(hashes)  # written again
+
+
+def test_blocks_prefetched_from_disk_into_host_are_announced_there(tiny_model, tmp_path):
+    """A document's blocks leave the 4-block host tier (4 one-block prompts after it)
+    and the device; it then arrives queued behind another prompt (one request runs at a
+    time), so its disk blocks are prefetched into host memory on arrival and it loads
+    them from there. The host copies are announced ("CPU", the disk copies' hashes)
+    when the prefetch is ordered, not only copies that a save or a load put there."""
+    rng = random.Random(7)
+    document = [rng.randrange(3, 512) for _ in range(4 * BLOCK_SIZE + 1)]
+    others = [[rng.randrange(3, 512) for _ in range(BLOCK_SIZE + 1)] for _ in range(4)]
+    short = [rng.randrange(3, 512) for _ in range(10)]  # no full block: saves nothing
+    moved = {}
+
+    def run(llm):
+        for prompt in (document, *others):
+            llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+        assert llm.reset_prefix_cache()
+        before = cached_by_source(llm)
+        llm.generate([{"prompt_token_ids": p} for p in (short, document)], GREEDY,
+                     use_tqdm=False)
+        after = cached_by_source(llm)
+        moved.update({tier: after.get(tier, 0) - before.get(tier, 0) for tier in after})
+
+    events = published_events(tiny_model, "kvbackend", f"ipc://{tmp_path}/prefetch", run,
+                              max_model_len=512, max_num_seqs=1, disable_log_stats=False,
+                              **engine_kwargs(host_cache_gb=host_gb(HOST_BLOCKS),
+                                              disk_cache_dir=str(tmp_path / "disk")))
+    assert moved.get("host") == 4 * BLOCK_SIZE and not moved.get("disk"), moved  # prefetched
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    device = by_hash([e for e in stored if e.medium == MEDIUM_GPU])
+    assert set(hashes_of(document, device)) <= held_by_tier(events)[HOST]

@@ -293,7 +293,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         """KV events (``--kv-events-config``, ``kv_events.py``): first what the planner
         learned of disk and remote keys since the last step (``TierFact``), then what
         the orders change, in the order the workers apply them: clear, drops, loads,
-        saves. O(facts + orders)."""
+        saves, prefetches. O(facts + orders)."""
         facts = self.planner.take_tier_facts()
         events = getattr(self._kv_cache_manager, "kv_events", None)  # bound: kvbackend's
         if events is None:
@@ -319,6 +319,8 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                                   (REMOTE, order.to_remote)):
                 if ordered:
                     events.tier_stored(tier, order.key, order.block_id)
+        for key in orders.prefetches:
+            events.tier_copied(DISK, HOST, key)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The step ran; its failed loads are known. O(loads of that step)."""
