@@ -1,7 +1,7 @@
 """``BlockEvents`` under any order of device stores and reuses, tier copies (host,
-disk, remote; disk-to-host prefetches), tier drops and resets: its invariants hold after every step, and a
-router that replays the events it published holds exactly what the device and each
-tier hold."""
+disk, remote; disk-to-host prefetches), tier drops and resets: its invariants hold
+after every step, and a router that replays the events it published holds exactly
+what the device and each tier hold."""
 
 from __future__ import annotations
 
