@@ -19,6 +19,7 @@ from vllm import SamplingParams
 
 from kvbackend.store.disk_tier import FORMAT_DIR
 from kvbackend.testing.tiny_model import build_tiny_gemma3
+from tests.redis_server import server  # noqa: F401 - the remote tier's fixture
 from tests.store_helpers import damage_file
 from tests.token_reference import lcp
 from tests.vllm.conftest import BLOCK_SIZE, cached_by_source, make_engine, shutdown
@@ -137,6 +138,15 @@ def _block_files(directory) -> set[str]:
     return set(glob.glob(os.path.join(str(directory), FORMAT_DIR, "*", "*", "*.kvb")))
 
 
+def _tier_workload() -> tuple[list[int], list[list[int]], list[int]]:
+    """A system prompt, three prompts on it and one alone, all longer than the window,
+    and each prompt's whole-block length (what a tier can serve)."""
+    rng = random.Random(23)
+    system = tokens(rng, 140)
+    prompts = [system + tokens(rng, 160 + 9 * i) for i in range(3)] + [tokens(rng, 250)]
+    return system, prompts, [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+
+
 def test_host_and_disk_tiers_serve_every_group(gemma, ref, apc, tmp_path, capfd):
     """Engine A (host + disk tiers) computes four prompts longer than the window, forgets
     them on the device and loads them back from its host tier; engine B, a new process
@@ -146,10 +156,7 @@ def test_host_and_disk_tiers_serve_every_group(gemma, ref, apc, tmp_path, capfd)
     missing one would change the greedy outputs, which match vLLM without caching."""
     from kvbackend.vllm import engine_kwargs
 
-    rng = random.Random(23)
-    system = tokens(rng, 140)
-    prompts = [system + tokens(rng, 160 + 9 * i) for i in range(3)] + [tokens(rng, 250)]
-    aligned = [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    system, prompts, aligned = _tier_workload()
     want = [o.outputs[0].token_ids for o in run(ref, prompts)]
     block_bytes = 3 * BLOCK_SIZE * 2 * 1 * 64 * 4  # a page of each group's one layer
     disk = dict(disk_cache_dir=str(tmp_path))
@@ -202,7 +209,7 @@ def test_host_and_disk_tiers_serve_every_group(gemma, ref, apc, tmp_path, capfd)
     assert logs.count("its tier hit failed to load; the request is recomputed") == 1
 
 
-def test_a_remote_tier_serves_every_group_to_another_engine(gemma, ref, tmp_path):
+def test_a_remote_tier_serves_every_group_to_another_engine(gemma, ref, server):
     """Engine A writes four prompts longer than the window through to a real Redis
     server; engine B, a new process with a cold device and no local tier, loads every
     whole block of them from the server (each value holds all three groups' KV, so a
@@ -210,40 +217,34 @@ def test_a_remote_tier_serves_every_group_to_another_engine(gemma, ref, tmp_path
     without caching). Then every value in the server is garbled: each load fails its
     check, and vLLM recomputes the whole request (several groups: no failed block ids),
     with the same outputs."""
-    from kvbackend.testing.redis_server import RedisServer
     from kvbackend.vllm import engine_kwargs
-    from tests.redis_server import require_binary
 
-    rng = random.Random(29)
-    system = tokens(rng, 150)
-    prompts = [system + tokens(rng, 170 + 7 * i) for i in range(3)] + [tokens(rng, 260)]
-    aligned = [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    system, prompts, aligned = _tier_workload()
     want = [o.outputs[0].token_ids for o in run(ref, prompts)]
-    with RedisServer(require_binary(), tmp_path / "redis") as server:
-        remote = engine_kwargs(remote_cache_url=server.url)
-        for engine in ("A", "B"):
-            llm = make_engine(gemma, "kvbackend", **ENGINE, disable_log_stats=False, **remote)
-            try:
-                before = cached_by_source(llm)
-                got = [run(llm, [p])[0] for p in prompts]  # one at a time: B loads each
-                assert [o.outputs[0].token_ids for o in got] == want, engine
-                gained = sum(v - before.get(k, 0) for k, v in cached_by_source(llm).items())
-            finally:
-                shutdown(llm)  # A: the connector's shutdown sends what is still queued
-            if engine == "A":
-                shared = 2 * (len(system) // BLOCK_SIZE)  # the system prompt's, written once
-                assert server.client().dbsize() >= sum(aligned) // BLOCK_SIZE - shared
-            else:
-                assert [o.num_cached_tokens for o in got] == aligned
-                assert gained >= sum(aligned) - 2 * len(system), gained  # the rest: device
-        raw = server.client()
-        for name in raw.scan_iter("kvb:*"):  # one flipped payload bit in every value
-            value = bytearray(raw.get(name))
-            value[-1] ^= 1
-            raw.set(name, bytes(value))
-        llm = make_engine(gemma, "kvbackend", **ENGINE, **remote)
+    remote = engine_kwargs(remote_cache_url=server.url)
+    for engine in ("A", "B"):
+        llm = make_engine(gemma, "kvbackend", **ENGINE, disable_log_stats=False, **remote)
         try:
-            got = run(llm, prompts[3:])
+            before = cached_by_source(llm)
+            got = [run(llm, [p])[0] for p in prompts]  # one at a time: B loads each
+            assert [o.outputs[0].token_ids for o in got] == want, engine
+            gained = sum(v - before.get(k, 0) for k, v in cached_by_source(llm).items())
         finally:
-            shutdown(llm)
-    assert got[0].outputs[0].token_ids == want[3] and got[0].num_cached_tokens == 0
+            shutdown(llm)  # A: the connector's shutdown sends what is still queued
+        if engine == "A":
+            shared = 2 * (len(system) // BLOCK_SIZE)  # the system prompt's, written once
+            assert server.client().dbsize() >= sum(aligned) // BLOCK_SIZE - shared
+        else:
+            assert [o.num_cached_tokens for o in got] == aligned
+            assert gained >= sum(aligned) - 2 * len(system), gained  # the rest: device
+    raw = server.client()
+    for name in raw.scan_iter("kvb:*"):  # one flipped payload bit in every value
+        value = bytearray(raw.get(name))
+        value[-1] ^= 1
+        raw.set(name, bytes(value))
+    llm = make_engine(gemma, "kvbackend", **ENGINE, **remote)
+    try:
+        (got,) = run(llm, prompts[3:])
+    finally:
+        shutdown(llm)
+    assert got.outputs[0].token_ids == want[3] and got.num_cached_tokens == 0
