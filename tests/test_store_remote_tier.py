@@ -17,19 +17,13 @@ from kvbackend.store.remote_tier import RemoteTier
 from kvbackend.testing.redis_server import RedisServer, server_binaries, supports_tls
 from kvbackend.vllm.config import KVBackendConfig
 from tests.redis_proxy import RedisProxy
-from tests.redis_server import require_binary
+from tests.redis_server import require_binary, server  # noqa: F401 - the module's server
 from tests.store_helpers import key_of, make_identity, payload_for
 
 ID = make_identity()
 BLOCK = 4096
 KEY = bytes(range(32))
 TIMEOUT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with RedisServer(require_binary(), tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 @pytest.fixture

@@ -52,9 +52,19 @@ def print_results(got, **fields) -> None:
                       "cached": [g.num_cached_tokens for g in got]}))
 
 
+def generate(llm, prompts, params) -> list:
+    """``llm``'s outputs for the token-id ``prompts``, in order."""
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def random_tokens(rng, n: int) -> list[int]:
+    """``n`` token ids drawn from ``rng`` (``random.Random``), clear of special ids."""
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
 def greedy_outputs(llm, prompts, params) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's output token ids from ``llm``, keyed by the prompt's token tuple."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = generate(llm, prompts, params)
     return {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
 
 

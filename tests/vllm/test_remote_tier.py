@@ -21,11 +21,10 @@ import time
 import pytest
 from vllm import SamplingParams
 
-from kvbackend.testing.redis_server import RedisServer
 from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm import engine_kwargs
 from tests.redis_proxy import RedisProxy
-from tests.redis_server import require_binary
+from tests.redis_server import server  # noqa: F401 - the module's server
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -46,12 +45,6 @@ def run(llm, prompts):
 
 def texts(outputs):
     return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with RedisServer(require_binary(), tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

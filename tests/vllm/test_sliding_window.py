@@ -22,7 +22,10 @@ from kvbackend.testing.tiny_model import build_tiny_gemma3
 from tests.redis_server import server  # noqa: F401 - the remote tier's fixture
 from tests.store_helpers import damage_file
 from tests.token_reference import lcp
-from tests.vllm.conftest import BLOCK_SIZE, cached_by_source, make_engine, shutdown
+from tests.vllm.conftest import (
+    BLOCK_SIZE, cached_by_source, generate, make_engine, shutdown,
+)
+from tests.vllm.conftest import random_tokens as tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=4 << 20)  # 85 blocks in all 3 groups
@@ -55,11 +58,7 @@ def apc(gemma):
 
 
 def run(llm, prompts, params=GREEDY):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 512) for _ in range(n)]
+    return generate(llm, prompts, params)
 
 
 def test_every_engine_runs_the_model_with_three_groups(kvb, ref, apc):

@@ -22,7 +22,8 @@ from vllm import SamplingParams
 from kvbackend.store.disk_tier import FORMAT_DIR
 from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm import engine_kwargs
-from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
+from tests.vllm.conftest import BLOCK_SIZE, generate, make_engine, shutdown
+from tests.vllm.conftest import random_tokens as tokens
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # layers * (K, V) * kv heads * head dim * float32
 DEVICE_BLOCKS = 48  # block 0 is vLLM's null block: 47 usable, 1504 tokens
@@ -36,11 +37,7 @@ def tier_engine(model: str, **tiers):
 
 
 def run(llm, prompts, params=GREEDY):
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 512) for _ in range(n)]
+    return generate(llm, prompts, params)
 
 
 def aligned(n: int) -> int:
