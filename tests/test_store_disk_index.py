@@ -39,6 +39,14 @@ class DiskIndexMachine(RuleBasedStateMachine):
         self._change(key, size, only_if_absent)
 
     @rule(key=KEYS)
+    def refresh(self, key):
+        """Most recently used with its size, if known; nothing otherwise."""
+        self.index.refresh(key)
+        size = dict(self.model).get(key)
+        if size is not None:
+            self._change(key, size, False)
+
+    @rule(key=KEYS)
     def drop(self, key):
         assert self.index.drop(key) == (key in [k for k, _ in self.model])
         self._change(key, None, False)

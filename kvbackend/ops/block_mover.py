@@ -157,6 +157,9 @@ class BlockMover:
         if read.result() is None:
             return
         block_id, key, _ = loads[i]
+        # The reader threads recorded their hits in the order they finished: record them
+        # again in the loads' order, so the disk tier's LRU order does not vary by run.
+        self.disk.refresh(key)
         if keep:  # disk bytes are immutable: the host tier keeps this very array
             self.host.put(key, row, self.block_size)
         self._scatter(row, block_id)

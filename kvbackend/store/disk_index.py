@@ -21,7 +21,7 @@ _Change = tuple[str, int | None, bool]  # (key, size or None for a drop, only if
 class DiskIndex:
     """key -> file size in bytes, least recently used first, and their total (an
     ``LruIndex``, whose invariants are this index's), plus the rebuild log.
-    Thread-safe. Complexity: ``touch``/``drop`` O(1); ``pop_lru`` O(#popped);
+    Thread-safe. Complexity: ``touch``/``refresh``/``drop`` O(1); ``pop_lru`` O(#popped);
     ``end_rebuild`` O(#found + #changes logged).
     """
 
@@ -38,6 +38,15 @@ class DiskIndex:
             self._apply(key, size, only_if_absent)
             if self._log is not None:
                 self._log.append((key, size, only_if_absent))
+
+    def refresh(self, key: str) -> None:
+        """Mark a known ``key`` as most recently used; an unknown one stays unknown."""
+        with self._lock:
+            size = self._lru.drop(key)
+            if size is not None:
+                self._apply(key, size, False)
+                if self._log is not None:
+                    self._log.append((key, size, False))
 
     def drop(self, key: str) -> bool:
         """Forget ``key``; True if it was known."""

@@ -456,6 +456,12 @@ class DiskTier:
             self._index.touch(key, st.st_size, only_if_absent=True)  # another process's
         return True
 
+    def refresh(self, key: str) -> None:
+        """Mark ``key`` most recently used in this process's LRU order, if known (a hit
+        that reader threads recorded in the order they finished). O(1)."""
+        if self._index is not None:
+            self._index.refresh(key)
+
     def contains_prefix(self, keys: list[str]) -> int:
         """Number of leading keys present. O(result + 1) stats."""
         n = 0
