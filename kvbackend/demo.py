@@ -82,6 +82,7 @@ def run_workloads(llm, work: Workloads) -> dict[str, Any]:
     generate(llm, work.warm_up[1:])
     # The first request computes the shared prompt; the others come as one batch.
     shared = generate(llm, work.shared[:1]) + generate(llm, work.shared[1:])
+
     def one_round() -> list:
         return [generate(llm, [doc])[0] for doc in work.docs]
 

@@ -24,7 +24,9 @@ from kvbackend.testing.tiny_model import build_tiny_gemma3  # noqa: E402
 from kvbackend.vllm import engine_kwargs  # noqa: E402
 from kvbackend.vllm.kv_events import DISK, HOST  # noqa: E402
 
-from tests.vllm.conftest import BLOCK_SIZE, cached_by_source, make_engine, shutdown  # noqa: E402
+from tests.vllm.conftest import (  # noqa: E402
+    BLOCK_SIZE, cached_by_source, generate, make_engine, random_tokens, shutdown,
+)
 from tests.vllm.tier_harness import host_gb  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -234,18 +236,17 @@ def test_blocks_prefetched_from_disk_into_host_are_announced_there(tiny_model, t
     them from there. The host copies are announced ("CPU", the disk copies' hashes)
     when the prefetch is ordered, not only copies that a save or a load put there."""
     rng = random.Random(7)
-    document = [rng.randrange(3, 512) for _ in range(4 * BLOCK_SIZE + 1)]
-    others = [[rng.randrange(3, 512) for _ in range(BLOCK_SIZE + 1)] for _ in range(4)]
-    short = [rng.randrange(3, 512) for _ in range(10)]  # no full block: saves nothing
+    document = random_tokens(rng, 4 * BLOCK_SIZE + 1)
+    others = [random_tokens(rng, BLOCK_SIZE + 1) for _ in range(4)]
+    short = random_tokens(rng, 10)  # no full block: saves nothing
     moved = {}
 
     def run(llm):
         for prompt in (document, *others):
-            llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+            generate(llm, [prompt], GREEDY)
         assert llm.reset_prefix_cache()
         before = cached_by_source(llm)
-        llm.generate([{"prompt_token_ids": p} for p in (short, document)], GREEDY,
-                     use_tqdm=False)
+        generate(llm, [short, document], GREEDY)
         after = cached_by_source(llm)
         moved.update({tier: after.get(tier, 0) - before.get(tier, 0) for tier in after})
 
