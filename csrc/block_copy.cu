@@ -26,6 +26,34 @@ constexpr int kThreads = 256;
 
 enum class Direction { kLayersToBuffer, kBufferToLayers };
 
+/* One thread's walk over the words of one block of one layer: `outer` chunks of
+ * `inner_words` words, word w = (o, j) = (w / inner_words, w % inner_words), for
+ * w = threadIdx.x, threadIdx.x + blockDim.x, ... . (o, j) advance by a precomputed step,
+ * so the loop does no 64-bit division per word (two divisions per thread in all). */
+template <typename Word>
+struct ChunkWalk {
+  int64_t o, j;                  // the current word's chunk and word within the chunk
+  int64_t outer, inner_words;
+  int64_t step_o, step_j;        // blockDim.x words = step_o chunks + step_j words
+
+  __device__ explicit ChunkWalk(const BlockLayout& g)
+      : outer(g.outer), inner_words(g.inner / static_cast<int64_t>(sizeof(Word))) {
+    o = threadIdx.x / inner_words;
+    j = threadIdx.x % inner_words;
+    step_o = blockDim.x / inner_words;
+    step_j = blockDim.x % inner_words;
+  }
+  __device__ bool active() const { return o < outer; }
+  __device__ void next() {
+    o += step_o;
+    j += step_j;
+    if (j >= inner_words) {
+      j -= inner_words;
+      ++o;
+    }
+  }
+};
+
 /* Grid: (num_ids, num_layers). CTA (i, l) moves block table[num_layers + i] of layer l,
  * i.e. `outer` chunks of `inner` bytes, to or from buffer row (i, l); its threads stride
  * over the outer * inner / sizeof(Word) words. */
@@ -38,12 +66,9 @@ __global__ void transfer_kernel(
   const int64_t l = blockIdx.y;
   uint8_t* layer = reinterpret_cast<uint8_t*>(table[l]);  // [outer, num_blocks, inner] bytes
   const int64_t block = table[g.num_layers + i];
-  const int64_t inner_words = g.inner / static_cast<int64_t>(sizeof(Word));
-  for (int64_t w = threadIdx.x; w < g.outer * inner_words; w += blockDim.x) {
-    const int64_t o = w / inner_words;
-    const int64_t j = w % inner_words;
-    Word* cached = reinterpret_cast<Word*>(layer + g.layer_offset(block, o)) + j;
-    Word* staged = reinterpret_cast<Word*>(buffer + g.buffer_offset(i, l, o)) + j;
+  for (ChunkWalk<Word> walk(g); walk.active(); walk.next()) {
+    Word* cached = reinterpret_cast<Word*>(layer + g.layer_offset(block, walk.o)) + walk.j;
+    Word* staged = reinterpret_cast<Word*>(buffer + g.buffer_offset(i, l, walk.o)) + walk.j;
     if constexpr (kDir == Direction::kLayersToBuffer) {
       *staged = *cached;
     } else {
@@ -63,12 +88,9 @@ __global__ void copy_kernel(
   uint8_t* layer = reinterpret_cast<uint8_t*>(table[l]);  // [outer, num_blocks, inner] bytes
   const int64_t src = table[g.num_layers + k];
   const int64_t dst = table[g.num_layers + gridDim.x + k];
-  const int64_t inner_words = g.inner / static_cast<int64_t>(sizeof(Word));
-  for (int64_t w = threadIdx.x; w < g.outer * inner_words; w += blockDim.x) {
-    const int64_t o = w / inner_words;
-    const int64_t j = w % inner_words;
-    reinterpret_cast<Word*>(layer + g.layer_offset(dst, o))[j] =
-        reinterpret_cast<const Word*>(layer + g.layer_offset(src, o))[j];
+  for (ChunkWalk<Word> walk(g); walk.active(); walk.next()) {
+    reinterpret_cast<Word*>(layer + g.layer_offset(dst, walk.o))[walk.j] =
+        reinterpret_cast<const Word*>(layer + g.layer_offset(src, walk.o))[walk.j];
   }
 }
 
