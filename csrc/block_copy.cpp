@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace kvbackend {
@@ -17,16 +18,17 @@ BlockLayout check_layers(at::TensorList kv_layers, int64_t block_dim) {
   TORCH_CHECK_VALUE(!kv_layers.empty(), "kv_layers must hold at least one layer");
   const at::Tensor& first = kv_layers[0];
   TORCH_CHECK_VALUE(block_dim >= 0 && block_dim < first.dim(), "block_dim must be in [0, ",
-                    first.dim(), ") for layers of shape ", first.sizes(), ", got ", block_dim);
+                    num(first.dim()), ") for layers of shape ", shape(first.sizes()), ", got ",
+                    num(block_dim));
   for (size_t l = 0; l < kv_layers.size(); ++l) {
     const at::Tensor& layer = kv_layers[l];
-    TORCH_CHECK_VALUE(layer.device() == first.device(), "layer ", l, " is on ", layer.device(),
+    TORCH_CHECK_VALUE(layer.device() == first.device(), "layer ", num(l), " is on ", layer.device(),
                       ", layer 0 on ", first.device());
-    TORCH_CHECK_VALUE(layer.scalar_type() == first.scalar_type(), "layer ", l, " has dtype ",
+    TORCH_CHECK_VALUE(layer.scalar_type() == first.scalar_type(), "layer ", num(l), " has dtype ",
                       layer.scalar_type(), ", layer 0 has ", first.scalar_type());
-    TORCH_CHECK_VALUE(layer.sizes() == first.sizes(), "layer ", l, " has shape ", layer.sizes(),
-                      ", layer 0 has ", first.sizes());
-    TORCH_CHECK_VALUE(layer.is_contiguous(), "layer ", l, " is not contiguous");
+    TORCH_CHECK_VALUE(layer.sizes() == first.sizes(), "layer ", num(l), " has shape ",
+                      shape(layer.sizes()), ", layer 0 has ", shape(first.sizes()));
+    TORCH_CHECK_VALUE(layer.is_contiguous(), "layer ", num(l), " is not contiguous");
   }
   const auto sizes = first.sizes();
   int64_t outer = 1;
@@ -42,11 +44,11 @@ void check_ids(const at::Tensor& ids, const char* name, int64_t num_blocks) {
                     ids.scalar_type());
   TORCH_CHECK_VALUE(ids.device().is_cpu(), name, " must be on the CPU, got ", ids.device());
   TORCH_CHECK_VALUE(ids.dim() == 1 && ids.is_contiguous(), name,
-                    " must be a contiguous 1-D tensor, got shape ", ids.sizes());
+                    " must be a contiguous 1-D tensor, got shape ", shape(ids.sizes()));
   const int64_t* data = ids.data_ptr<int64_t>();  // [num_ids]
   for (int64_t k = 0; k < ids.numel(); ++k) {
-    TORCH_CHECK_VALUE(data[k] >= 0 && data[k] < num_blocks, name, " holds block id ", data[k],
-                      " out of range [0, ", num_blocks, ")");
+    TORCH_CHECK_VALUE(data[k] >= 0 && data[k] < num_blocks, name, " holds block id ", num(data[k]),
+                      " out of range [0, ", num(num_blocks), ")");
   }
 }
 
@@ -54,12 +56,22 @@ void check_ids(const at::Tensor& ids, const char* name, int64_t num_blocks) {
 void mark_distinct(const at::Tensor& ids, const char* what, std::vector<char>& seen) {
   const int64_t* data = ids.data_ptr<int64_t>();  // [num_ids], already range-checked
   for (int64_t k = 0; k < ids.numel(); ++k) {
-    TORCH_CHECK_VALUE(!seen[data[k]], what, " block id ", data[k]);
+    TORCH_CHECK_VALUE(!seen[data[k]], what, " block id ", num(data[k]));
     seen[data[k]] = 1;
   }
 }
 
 }  // namespace
+
+std::string num(int64_t value) { return std::to_string(value); }
+
+std::string shape(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    text += (d ? ", " : "") + std::to_string(sizes[d]);
+  }
+  return text + "]";
+}
 
 BlockLayout check_transfer(at::TensorList kv_layers, const at::Tensor& block_ids,
                            const at::Tensor& buffer, const char* buffer_name, int64_t block_dim,
@@ -75,8 +87,8 @@ BlockLayout check_transfer(at::TensorList kv_layers, const at::Tensor& block_ids
   TORCH_CHECK_VALUE(buffer.is_contiguous(), buffer_name, " is not contiguous");
   const int64_t expected = block_ids.numel() * g.block_nbytes();
   TORCH_CHECK_VALUE(static_cast<int64_t>(buffer.nbytes()) == expected, buffer_name, " has ",
-                    buffer.nbytes(), " bytes, expected ", block_ids.numel(), " blocks x ",
-                    g.block_nbytes(), " bytes = ", expected);
+                    num(buffer.nbytes()), " bytes, expected ", num(block_ids.numel()),
+                    " blocks x ", num(g.block_nbytes()), " bytes = ", num(expected));
   return g;
 }
 
@@ -85,13 +97,13 @@ BlockLayout check_copy(at::TensorList kv_layers, const at::Tensor& src, const at
   const BlockLayout g = check_layers(kv_layers, block_dim);
   check_ids(src, "src", g.num_blocks);
   check_ids(dst, "dst", g.num_blocks);
-  TORCH_CHECK_VALUE(src.numel() == dst.numel(), "src has ", src.numel(), " ids, dst has ",
-                    dst.numel());
+  TORCH_CHECK_VALUE(src.numel() == dst.numel(), "src has ", num(src.numel()), " ids, dst has ",
+                    num(dst.numel()));
   std::vector<char> seen(g.num_blocks, 0);
   mark_distinct(dst, "dst repeats", seen);
   const int64_t* src_ids = src.data_ptr<int64_t>();  // [num_pairs]
   for (int64_t k = 0; k < src.numel(); ++k) {
-    TORCH_CHECK_VALUE(!seen[src_ids[k]], "block id ", src_ids[k], " is both a src and a dst");
+    TORCH_CHECK_VALUE(!seen[src_ids[k]], "block id ", num(src_ids[k]), " is both a src and a dst");
   }
   return g;
 }

@@ -134,8 +134,10 @@ at::Tensor device_table(at::TensorList kv_layers, std::initializer_list<at::Tens
 }
 
 void check_grid(int64_t num_items, const BlockLayout& g) {
-  TORCH_CHECK_VALUE(num_items <= INT32_MAX, "at most 2^31 - 1 blocks per call, got ", num_items);
-  TORCH_CHECK_VALUE(g.num_layers <= 65535, "at most 65535 layers per call, got ", g.num_layers);
+  TORCH_CHECK_VALUE(num_items <= INT32_MAX, "at most 2^31 - 1 blocks per call, got ",
+                    num(num_items));
+  TORCH_CHECK_VALUE(g.num_layers <= 65535, "at most 65535 layers per call, got ",
+                    num(g.num_layers));
 }
 
 template <Direction kDir>

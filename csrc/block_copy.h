@@ -15,6 +15,7 @@
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#include <string>
 
 namespace kvbackend {
 
@@ -35,6 +36,13 @@ struct BlockLayout {
     return ((i * num_layers + l) * outer + o) * inner;
   }
 };
+
+// An integer and a shape as text for check messages, formatted with std::to_string rather
+// than std::ostream's number formatting: on one CUDA image (torch 2.11.0+cu130, extension
+// built by Ubuntu's g++ 13.3) streaming an integer from an extension crashed the process
+// with SIGSEGV inside ostream::operator<<(long), a 6-line op without kvbackend code too.
+std::string num(int64_t value);
+std::string shape(at::IntArrayRef sizes);
 
 // Checks the layers, `block_ids` and `buffer` (named `buffer_name` in messages) of
 // gather_blocks / scatter_blocks; raises ValueError on misuse. `distinct_ids` (scatter)
