@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbackend.ops import BlockMover  # noqa: E402
+from kvbackend.ops.block_mover import STAGED_BLOCKS, BlockMover  # noqa: E402
 from kvbackend.store import DiskTier, HostTier  # noqa: E402
 from tests.store_helpers import key_of, make_identity  # noqa: E402
 
@@ -54,10 +54,12 @@ def test_block_mover_round_trips_blocks_through_host_and_disk(tmp_path, device):
     host.check_invariants()
 
 
-def test_a_tier_block_of_several_groups_is_its_physical_block_in_each():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tier_block_of_several_groups_is_its_physical_block_in_each(device):
     """With 3 KV-cache groups sharing the tensors, tier block b is physical blocks
-    3b, 3b+1, 3b+2 of every layer: saved and loaded together, other blocks untouched."""
-    layers = [torch.randn(2, 12, 2, 4, 8) for _ in range(2)]  # 4 logical blocks
+    3b, 3b+1, 3b+2 of every layer: saved and loaded together, other blocks untouched;
+    the remote tier's path (gather, load_payloads) moves the same bytes."""
+    layers = [torch.randn(2, 12, 2, 4, 8, device=device) for _ in range(2)]  # 4 logical blocks
     nbytes = 3 * 2 * 2 * 2 * 4 * 8 * 4  # groups * layers * (K, V) * heads * tokens * dim * fp32
     host = HostTier(4 * nbytes)
     mover = BlockMover(layers, 1, nbytes, 4, host, None, num_groups=3)
@@ -70,6 +72,10 @@ def test_a_tier_block_of_several_groups_is_its_physical_block_in_each():
     for layer, want, rest in zip(layers, expected, others):
         assert torch.equal(layer[:, 6:9], want)
         assert not layer[:, 3:6].any() and not layer[:, 9:].any()
+    payload = mover.gather(2)
+    mover.load_payloads([(3, key_of(1), memoryview(payload), False)])
+    for layer, want in zip(layers, expected):
+        assert torch.equal(layer[:, 9:12], want)
     with pytest.raises(ValueError, match="num_groups"):
         BlockMover(layers, 1, nbytes, 4, host, None, num_groups=0)
 
@@ -105,3 +111,63 @@ def test_disk_loads_leave_the_lru_order_of_the_loads_whatever_order_reads_finish
     assert mover.load_many([(i + 1, key, False) for i, key in enumerate(keys)]) == [True] * 4
     disk.evict_to(disk.bytes_used - 1)  # the least recently used file goes
     assert [disk.contains(key) for key in keys] == [False, True, True, True]
+
+
+def _cache(device: str, num_blocks: int) -> tuple[list[torch.Tensor], int]:
+    """Three layers of bf16 ``[2, num_blocks, 2, 4, 8]`` (block_dim 1), and a block's bytes."""
+    layers = [torch.randn(2, num_blocks, 2, 4, 8, device=device).to(torch.bfloat16)
+              for _ in range(3)]
+    return layers, 3 * 2 * 2 * 4 * 8 * 2
+
+
+def _blocks(layers: list[torch.Tensor], ids: range) -> list[torch.Tensor]:
+    return [torch.stack([layer[:, i] for layer in layers]).cpu() for i in ids]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loads_past_the_staging_blocks_mixing_host_and_disk_land_in_their_blocks(
+        tmp_path, device):
+    """More loads than STAGED_BLOCKS, alternating host hits, disk reads into reused
+    staging rows and disk reads promoted to host, each lands in its own block; a block
+    loaded twice in one call ends with the later load, as if the loads ran in order."""
+    n = 2 * STAGED_BLOCKS + 3
+    layers, nbytes = _cache(device, 2 * n + 1)
+    host = HostTier(64 * nbytes)
+    disk = DiskTier(tmp_path / "d", 64 * nbytes, make_identity(), durable=False)
+    mover = BlockMover(layers, 1, nbytes, 8, host, disk)
+    keys = [key_of(i) for i in range(n)]
+    for i, key in enumerate(keys):
+        mover.save(i, key, to_host=i % 3 == 0, to_disk=True)
+    expected = _blocks(layers, range(n))
+    loads = [(n + i, key, i % 3 == 1) for i, key in enumerate(keys)]
+    assert mover.load_many(loads + [(2 * n, keys[1], False), (2 * n, keys[2], False)]) \
+        == [True] * (n + 2)
+    assert all(torch.equal(a, b) for a, b in zip(_blocks(layers, range(n, 2 * n)), expected))
+    assert torch.equal(_blocks(layers, range(2 * n, 2 * n + 1))[0], expected[2])
+    assert all(host.contains(keys[i]) for i in range(1, n, 3))  # promoted
+    host.check_invariants()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_call_that_fails_leaves_nothing_staged_for_the_next(tmp_path, device):
+    """A disk read that raises ends load_many with the error; blocks of that call that
+    were staged but not yet written are dropped, not written by the next call."""
+    layers, nbytes = _cache(device, 12)
+    host = HostTier(16 * nbytes)
+    disk = DiskTier(tmp_path / "d", 16 * nbytes, make_identity(), durable=False)
+    mover = BlockMover(layers, 1, nbytes, 8, host, disk)
+    keys = [key_of(i) for i in range(4)]
+    for i, key in enumerate(keys):
+        mover.save(i, key, to_host=i < 2, to_disk=i >= 2)
+
+    def broken(key, out):
+        raise OSError("disk gone")
+
+    disk.get_into = broken
+    with pytest.raises(OSError, match="disk gone"):
+        mover.load_many([(6, keys[0], False), (7, keys[1], False), (8, keys[2], False)])
+    before = _blocks(layers, range(12))
+    assert mover.load_many([(9, keys[0], False)]) == [True]
+    after = _blocks(layers, range(12))
+    assert [i for i in range(12) if not torch.equal(before[i], after[i])] == [9]
+    assert torch.equal(after[9], after[0])

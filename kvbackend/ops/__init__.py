@@ -2,6 +2,7 @@
 paged KV cache and the host/disk tiers. Imports torch; ``kvbackend.core`` never imports this."""
 
 from kvbackend.ops.block_copy import (
+    BlockCopier,
     BlockLayout,
     block_layout,
     copy_blocks,
@@ -12,7 +13,7 @@ from kvbackend.ops.block_copy import (
 from kvbackend.ops.block_mover import BlockMover
 
 __all__ = [
-    "BlockLayout", "BlockMover", "block_layout", "copy_blocks", "extension_available",
+    "BlockCopier", "BlockLayout", "BlockMover", "block_layout", "copy_blocks", "extension_available",
     "gather_blocks",
     "scatter_blocks",
 ]

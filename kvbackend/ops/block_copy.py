@@ -74,6 +74,53 @@ def block_layout(kv_layers: Sequence[torch.Tensor], block_dim: int) -> BlockLayo
                        math.prod(shape[block_dim + 1:]) * first.element_size())
 
 
+class BlockCopier:
+    """Gathers and scatters whole blocks of one KV cache whose layers were checked once.
+
+    For callers that move blocks of the same cache call after call (``BlockMover``): a
+    call then checks only its ids and buffer, O(num_ids) instead of O(num_layers) Python
+    work (about 55 us per call on 32 layers). The layers must not be replaced or resized
+    afterwards. ``gather_blocks`` / ``scatter_blocks`` are one-call copiers.
+    """
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], block_dim: int) -> None:
+        self.layout = block_layout(kv_layers, block_dim)
+        self.layers, self.block_dim = list(kv_layers), block_dim
+        self.device = self.layers[0].device
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out[i, l]`` = block ``block_ids[i]`` of layer l; see ``gather_blocks``."""
+        layout = self.layout
+        ids = _check_ids(block_ids, "block_ids", layout.num_blocks, distinct=False)
+        if out is None:
+            shape = (len(ids), layout.num_layers, layout.outer, layout.inner)
+            out = torch.empty(shape, dtype=torch.uint8, device=self.device)
+        _check_buffer(out, "out", layout, len(ids), self.device)
+        ops = _extension_ops(self.device)
+        if ops is not None:
+            ops.gather_blocks(self.layers, ids, out, self.block_dim)
+            return out
+        views, rows = _word_views(layout, self.layers, out, len(ids))
+        ids = ids.to(self.device)
+        for l, view in enumerate(views):
+            rows[:, l].copy_(view.index_select(1, ids).transpose(0, 1))
+        return out
+
+    def scatter(self, buffer: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Block ``block_ids[i]`` of layer l = ``buffer[i, l]``; see ``scatter_blocks``."""
+        layout = self.layout
+        ids = _check_ids(block_ids, "block_ids", layout.num_blocks, distinct=True)
+        _check_buffer(buffer, "buffer", layout, len(ids), self.device)
+        ops = _extension_ops(self.device)
+        if ops is not None:
+            ops.scatter_blocks(buffer, self.layers, ids, self.block_dim)
+            return
+        views, rows = _word_views(layout, self.layers, buffer, len(ids))
+        ids = ids.to(self.device)
+        for l, view in enumerate(views):
+            view.index_copy_(1, ids, rows[:, l].transpose(0, 1))
+
+
 def gather_blocks(kv_layers: Sequence[torch.Tensor], block_ids: torch.Tensor,
                   out: torch.Tensor | None = None, *, block_dim: int) -> torch.Tensor:
     """Copy blocks ``block_ids`` of every layer into ``out[i, l] = layer l, block block_ids[i]``.
@@ -87,22 +134,7 @@ def gather_blocks(kv_layers: Sequence[torch.Tensor], block_ids: torch.Tensor,
     Returns:
         ``out``. Complexity: O(num_ids * block_nbytes) bytes moved.
     """
-    layout = block_layout(kv_layers, block_dim)
-    ids = _check_ids(block_ids, "block_ids", layout.num_blocks, distinct=False)
-    device = kv_layers[0].device
-    if out is None:
-        shape = (len(ids), layout.num_layers, layout.outer, layout.inner)
-        out = torch.empty(shape, dtype=torch.uint8, device=device)
-    _check_buffer(out, "out", layout, len(ids), device)
-    ops = _extension_ops(device)
-    if ops is not None:
-        ops.gather_blocks(list(kv_layers), ids, out, block_dim)
-        return out
-    views, rows = _word_views(layout, kv_layers, out, len(ids))
-    ids = ids.to(device)
-    for l, view in enumerate(views):
-        rows[:, l].copy_(view.index_select(1, ids).transpose(0, 1))
-    return out
+    return BlockCopier(kv_layers, block_dim).gather(block_ids, out)
 
 
 def scatter_blocks(buffer: torch.Tensor, kv_layers: Sequence[torch.Tensor],
@@ -113,18 +145,7 @@ def scatter_blocks(buffer: torch.Tensor, kv_layers: Sequence[torch.Tensor],
     on the cache's device, ``num_ids * block_nbytes`` bytes. Other blocks are untouched.
     Complexity: O(num_ids * block_nbytes) bytes moved.
     """
-    layout = block_layout(kv_layers, block_dim)
-    ids = _check_ids(block_ids, "block_ids", layout.num_blocks, distinct=True)
-    device = kv_layers[0].device
-    _check_buffer(buffer, "buffer", layout, len(ids), device)
-    ops = _extension_ops(device)
-    if ops is not None:
-        ops.scatter_blocks(buffer, list(kv_layers), ids, block_dim)
-        return
-    views, rows = _word_views(layout, kv_layers, buffer, len(ids))
-    ids = ids.to(device)
-    for l, view in enumerate(views):
-        view.index_copy_(1, ids, rows[:, l].transpose(0, 1))
+    BlockCopier(kv_layers, block_dim).scatter(buffer, block_ids)
 
 
 def copy_blocks(kv_layers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor,

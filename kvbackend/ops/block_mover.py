@@ -2,9 +2,11 @@
 
 ``BlockMover`` is what a worker runs to load tier blocks into freshly allocated
 cache blocks and to save computed ones. Host payloads are numpy uint8 arrays of
-``block_nbytes``; a CPU cache is gathered into and scattered from them directly,
-a GPU cache through one device staging block (a host-to-device or device-to-host
-copy per block, from pinned host memory; the tiers always live in host memory).
+``block_nbytes``; a CPU cache is gathered into and scattered from them directly.
+A GPU cache (the tiers always live in host memory, pinned then) loads through
+``STAGED_BLOCKS`` device staging blocks: each payload is copied into one, and one
+scatter per ``STAGED_BLOCKS`` loads writes them into the cache; saves go through one
+device block and a device-to-host copy each.
 
 With ``num_groups`` KV-cache groups sharing the layers' tensors (vLLM's hybrid
 KV-cache manager, ``kvbackend.vllm.block_groups``), tier block ``b`` is the
@@ -20,10 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from kvbackend.ops.block_copy import gather_blocks, scatter_blocks
+from kvbackend.ops.block_copy import BlockCopier
 from kvbackend.store import DiskTier, HostTier
 
 READERS = 2  # threads reading and verifying disk blocks ahead of the scatters
+STAGED_BLOCKS = 8  # device staging blocks of a GPU cache: loads scattered per call
 
 
 class BlockMover:
@@ -45,9 +48,13 @@ class BlockMover:
 
     On a CPU cache a block costs one memcpy, plus one checksum pass when it comes
     from or goes to disk; apart from the arrays the host tier keeps, nothing is
-    allocated per block. Invariant: the host tier holds only arrays made here
-    (1-D, uint8, ``block_nbytes`` long, writable). Calls must not overlap;
-    O(block_nbytes) per block.
+    allocated per block. On a GPU cache a load from an array the host tier keeps is
+    an asynchronous copy (the mover holds the array until the copies are done: one
+    stream synchronization per call); from a reused staging row, a synchronous one.
+
+    Invariants: the host tier holds only arrays made here (1-D, uint8,
+    ``block_nbytes`` long, writable); between calls nothing is staged and no copy
+    reads host memory. Calls must not overlap; O(block_nbytes) per block.
     """
 
     def __init__(self, layers: list[torch.Tensor], block_dim: int, block_nbytes: int,
@@ -59,9 +66,12 @@ class BlockMover:
         self.block_nbytes, self.block_size = block_nbytes, block_size
         self.host, self.disk = host, disk
         self.device = layers[0].device
+        self.copier = BlockCopier(layers, block_dim)
         self._staging = [self._new_row() for _ in range(2 * READERS)]
-        self._device_row = (None if self.device.type == "cpu" else
-                            torch.empty(block_nbytes, dtype=torch.uint8, device=self.device))
+        self._device_rows = (None if self.device.type == "cpu" else torch.empty(
+            STAGED_BLOCKS, block_nbytes, dtype=torch.uint8, device=self.device))
+        self._staged: list[int] = []  # block ids whose bytes wait in _device_rows[i]
+        self._copying: list[np.ndarray] = []  # host rows async copies may still read
         self._readers: ThreadPoolExecutor | None = None
 
     def load_many(self, loads: list[tuple[int, str, bool]]) -> list[bool]:
@@ -75,7 +85,7 @@ class BlockMover:
             for i, (block_id, key, promote) in enumerate(loads):
                 row = self._host_row(key)
                 if row is not None:
-                    self._scatter(row, block_id)
+                    self._scatter(row, block_id, kept=True)
                     done[i] = True
                 elif self.disk is not None:
                     if len(reads) == len(self._staging):
@@ -86,20 +96,26 @@ class BlockMover:
                                   row, keep))
             while reads:
                 self._finish_oldest(reads, loads, done)
-        finally:  # after an error too: no read may still be writing into a staging row
+            self._flush()
+        finally:  # after an error too: no read or copy may still use a row
             wait([read for _, read, _, _ in reads])
+            self._settle()
         return done
 
     def load_payloads(self, loads: list[tuple[int, str, memoryview, bool]]) -> None:
         """For each (block id, key, payload of ``block_nbytes``, promote): fill that block
         of every layer with the payload (and keep a copy in host if ``promote``)."""
-        for block_id, key, payload, promote in loads:
-            keep = promote and self.host is not None
-            row = self._new_row() if keep else self._staging[0]
-            row[:] = np.frombuffer(payload, dtype=np.uint8)
-            if keep:
-                self.host.put(key, row, self.block_size)
-            self._scatter(row, block_id)
+        try:
+            for block_id, key, payload, promote in loads:
+                keep = promote and self.host is not None
+                row = self._new_row() if keep else self._staging[0]
+                row[:] = np.frombuffer(payload, dtype=np.uint8)
+                if keep:
+                    self.host.put(key, row, self.block_size)
+                self._scatter(row, block_id, kept=keep)
+            self._flush()
+        finally:
+            self._settle()
 
     def prefetch(self, keys: list[str]) -> int:
         """Read each key the host tier lacks from disk into it (verified; a block that
@@ -162,7 +178,7 @@ class BlockMover:
         self.disk.refresh(key)
         if keep:  # disk bytes are immutable: the host tier keeps this very array
             self.host.put(key, row, self.block_size)
-        self._scatter(row, block_id)
+        self._scatter(row, block_id, kept=keep)
         done[i] = True
 
     def _reader(self) -> ThreadPoolExecutor:
@@ -170,22 +186,45 @@ class BlockMover:
             self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvbackend-read")
         return self._readers
 
-    def _scatter(self, row: np.ndarray, block_id: int) -> None:
-        """Host bytes ``row`` -> block ``block_id`` of every layer."""
+    def _scatter(self, row: np.ndarray, block_id: int, kept: bool) -> None:
+        """Host bytes ``row`` -> block ``block_id`` of every layer: at once on a CPU
+        cache; on a GPU, staged (asynchronously when ``kept``: a row the mover does not
+        reuse) and scattered by ``_flush``."""
         source = torch.from_numpy(row)
-        if self._device_row is not None:
-            source = self._device_row.copy_(source)  # synchronous: ``row`` may be reused next
-        scatter_blocks(source, self.layers, self._ids(block_id), block_dim=self.block_dim)
+        if self._device_rows is None:
+            self.copier.scatter(source, self._ids(block_id))
+            return
+        if block_id in self._staged or len(self._staged) == STAGED_BLOCKS:
+            self._flush()
+        # Stream order: this copy runs after the scatter that read the slot before.
+        self._device_rows[len(self._staged)].copy_(source, non_blocking=kept)
+        self._staged.append(block_id)
+        if kept:
+            self._copying.append(row)
+
+    def _flush(self) -> None:
+        """Scatter the staged blocks into the cache (queued on the current stream)."""
+        if self._staged:
+            ids = torch.cat([self._ids(block_id) for block_id in self._staged])
+            self.copier.scatter(self._device_rows[:len(self._staged)], ids)
+            self._staged.clear()
+
+    def _settle(self) -> None:
+        """End of a load call: drop what was staged and not flushed (after an error),
+        and wait for the copies that read host rows, so those rows may go."""
+        self._staged.clear()
+        if self._copying:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._copying.clear()
 
     def _gather(self, block_id: int, row: np.ndarray) -> None:
         """Block ``block_id`` of every layer -> host bytes ``row``."""
         target = torch.from_numpy(row)
-        if self._device_row is None:
-            gather_blocks(self.layers, self._ids(block_id), target, block_dim=self.block_dim)
+        if self._device_rows is None:
+            self.copier.gather(self._ids(block_id), target)
             return
-        gather_blocks(self.layers, self._ids(block_id), self._device_row,
-                      block_dim=self.block_dim)
-        target.copy_(self._device_row)  # synchronous device-to-host copy
+        staged = self.copier.gather(self._ids(block_id), self._device_rows[0])
+        target.copy_(staged)  # synchronous device-to-host copy
 
     def _ids(self, block_id: int) -> torch.Tensor:
         """The physical blocks of tier block ``block_id``, one per group."""
@@ -193,4 +232,4 @@ class BlockMover:
         return torch.arange(first, first + self.num_groups, dtype=torch.int64)
 
 
-__all__ = ["BlockMover", "READERS"]
+__all__ = ["BlockMover", "READERS", "STAGED_BLOCKS"]
