@@ -8,7 +8,7 @@ layer) between the cache and the host/disk tiers the way a worker does:
   into one device staging block, then scattered, per block);
 * load disk: ``load_many`` of blocks only the disk tier holds (read, BLAKE3-verified,
   scattered; the files are in the page cache after the first repeat);
-* save host: ``save`` of each block into the host tier (gathered, copied out).
+* save host: ``save_many`` of the blocks into the host tier (gathered, copied out).
 
 The baseline is one ``copy_`` of all the bytes between host memory (pinned on a GPU)
 and the cache's device: what a tier could reach if it moved every block in one call.
@@ -66,8 +66,8 @@ def main() -> None:
         disk = DiskTier(Path(tmp) / "disk", 2 * nbytes, identity, durable=False)
         mover = BlockMover(layers, 1, block_nbytes, args.block_size, host, disk)
         disk_only = BlockMover(layers, 1, block_nbytes, args.block_size, None, disk)
-        for i, key in enumerate(keys):  # blocks 0..n-1 are the sources; loads go to n..2n-1
-            mover.save(i, key, to_host=True, to_disk=True)
+        # blocks 0..n-1 are the sources; loads go to n..2n-1
+        mover.save_many([(i, key, True, True) for i, key in enumerate(keys)])
         loads = [(args.num_ids + i, key, False) for i, key in enumerate(keys)]
 
         def load_host() -> None:
@@ -77,8 +77,7 @@ def main() -> None:
             assert all(disk_only.load_many(loads))
 
         def save_host() -> None:
-            for i, key in enumerate(keys):
-                mover.save(i, key, to_host=True, to_disk=False)
+            mover.save_many([(i, key, True, False) for i, key in enumerate(keys)])
 
         rows = [
             ("one copy_, host -> cache device", _median_seconds(

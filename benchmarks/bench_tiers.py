@@ -155,8 +155,7 @@ def bench_bandwidth(root: str, num_blocks: int, rows: list) -> None:
     host = HostTier(2 * nbytes)
     disk = DiskTier(os.path.join(root, "bw"), 4 * nbytes, identity, durable=False)
     saver = BlockMover(layers, 1, block_nbytes, BLOCK, host, disk)
-    for block_id, key in zip(ids, keys):
-        saver.save(block_id, key, to_host=True, to_disk=True)
+    saver.save_many([(block_id, key, True, True) for block_id, key in zip(ids, keys)])
     # What the connector's workers run: host / disk get (+ verify) + scatter, per block.
     movers = {"host": BlockMover(layers, 1, block_nbytes, BLOCK, host, None),
               "disk": BlockMover(layers, 1, block_nbytes, BLOCK, None, disk)}

@@ -3,6 +3,7 @@
 import glob
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,8 +27,8 @@ def test_block_mover_round_trips_blocks_through_host_and_disk(tmp_path, device):
     disk = DiskTier(tmp_path / "d", 64 * nbytes, make_identity(), durable=False)
     saver = BlockMover(layers, 1, nbytes, 4, host, disk)
     keys = [key_of(i) for i in range(9)]
-    for i, key in enumerate(keys):  # blocks 1..9; the host tier keeps the last 4
-        saver.save(i + 1, key, to_host=True, to_disk=True)
+    # blocks 1..9; the host tier keeps the last 4
+    saver.save_many([(i + 1, key, True, True) for i, key in enumerate(keys)])
     expected = [torch.stack([layer[:, i + 1] for layer in layers]) for i in range(9)]
     files = sorted(glob.glob(os.path.join(disk.base, "*", "*.kvb")))
     bad = next(f for f in files if os.path.basename(f).startswith(keys[2]))
@@ -63,7 +64,7 @@ def test_a_tier_block_of_several_groups_is_its_physical_block_in_each(device):
     nbytes = 3 * 2 * 2 * 2 * 4 * 8 * 4  # groups * layers * (K, V) * heads * tokens * dim * fp32
     host = HostTier(4 * nbytes)
     mover = BlockMover(layers, 1, nbytes, 4, host, None, num_groups=3)
-    mover.save(1, key_of(0), to_host=True, to_disk=False)
+    mover.save_many([(1, key_of(0), True, False)])
     expected = [layer[:, 3:6].clone() for layer in layers]
     others = [layer[:, 6:].clone() for layer in layers]
     for layer in layers:
@@ -72,7 +73,7 @@ def test_a_tier_block_of_several_groups_is_its_physical_block_in_each(device):
     for layer, want, rest in zip(layers, expected, others):
         assert torch.equal(layer[:, 6:9], want)
         assert not layer[:, 3:6].any() and not layer[:, 9:].any()
-    payload = mover.gather(2)
+    (payload,) = mover.gather_many([2])
     mover.load_payloads([(3, key_of(1), memoryview(payload), False)])
     for layer, want in zip(layers, expected):
         assert torch.equal(layer[:, 9:12], want)
@@ -93,8 +94,7 @@ def test_disk_loads_leave_the_lru_order_of_the_loads_whatever_order_reads_finish
     disk = DiskTier(tmp_path / "d", 64 * nbytes, make_identity(), durable=False)
     mover = BlockMover(layers, 1, nbytes, 4, None, disk)
     keys = [key_of(i) for i in range(4)]
-    for i, key in enumerate(keys):
-        mover.save(i + 1, key, to_host=False, to_disk=True)
+    mover.save_many([(i + 1, key, False, True) for i, key in enumerate(keys)])
     others_done, read = threading.Semaphore(0), disk.get_into
 
     def get_into(key, out):
@@ -136,8 +136,7 @@ def test_loads_past_the_staging_blocks_mixing_host_and_disk_land_in_their_blocks
     disk = DiskTier(tmp_path / "d", 64 * nbytes, make_identity(), durable=False)
     mover = BlockMover(layers, 1, nbytes, 8, host, disk)
     keys = [key_of(i) for i in range(n)]
-    for i, key in enumerate(keys):
-        mover.save(i, key, to_host=i % 3 == 0, to_disk=True)
+    mover.save_many([(i, key, i % 3 == 0, True) for i, key in enumerate(keys)])
     expected = _blocks(layers, range(n))
     loads = [(n + i, key, i % 3 == 1) for i, key in enumerate(keys)]
     assert mover.load_many(loads + [(2 * n, keys[1], False), (2 * n, keys[2], False)]) \
@@ -157,8 +156,7 @@ def test_a_load_call_that_fails_leaves_nothing_staged_for_the_next(tmp_path, dev
     disk = DiskTier(tmp_path / "d", 16 * nbytes, make_identity(), durable=False)
     mover = BlockMover(layers, 1, nbytes, 8, host, disk)
     keys = [key_of(i) for i in range(4)]
-    for i, key in enumerate(keys):
-        mover.save(i, key, to_host=i < 2, to_disk=i >= 2)
+    mover.save_many([(i, key, i < 2, i >= 2) for i, key in enumerate(keys)])
 
     def broken(key, out):
         raise OSError("disk gone")
@@ -171,3 +169,27 @@ def test_a_load_call_that_fails_leaves_nothing_staged_for_the_next(tmp_path, dev
     after = _blocks(layers, range(12))
     assert [i for i in range(12) if not torch.equal(before[i], after[i])] == [9]
     assert torch.equal(after[9], after[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saves_past_the_staging_blocks_land_in_the_tiers_each_was_sent_to(tmp_path, device):
+    """More saves than STAGED_BLOCKS, host only / host and disk / disk only in turn: each
+    tier holds exactly its blocks' bytes; gather_many copies the same bytes out."""
+    n = 2 * STAGED_BLOCKS + 3
+    layers, nbytes = _cache(device, n)
+    host = HostTier(64 * nbytes)
+    disk = DiskTier(tmp_path / "d", 64 * nbytes, make_identity(), durable=False)
+    mover = BlockMover(layers, 1, nbytes, 8, host, disk)
+    keys = [key_of(i) for i in range(n)]
+    mover.save_many([(i, key, i % 3 != 2, i % 3 != 0) for i, key in enumerate(keys)])
+    expected = [block.reshape(-1).view(torch.uint8) for block in _blocks(layers, range(n))]
+    gathered = mover.gather_many(list(range(n)))
+    for i, key in enumerate(keys):
+        assert torch.equal(torch.from_numpy(gathered[i]), expected[i])
+        assert host.contains(key) == (i % 3 != 2) and disk.contains(key) == (i % 3 != 0)
+        if host.contains(key):
+            assert torch.equal(torch.from_numpy(host.get(key)), expected[i])
+        if disk.contains(key):
+            row = np.empty(nbytes, dtype=np.uint8)
+            assert disk.get_into(key, row) is not None
+            assert torch.equal(torch.from_numpy(row), expected[i])

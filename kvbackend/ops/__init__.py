@@ -13,7 +13,6 @@ from kvbackend.ops.block_copy import (
 from kvbackend.ops.block_mover import BlockMover
 
 __all__ = [
-    "BlockCopier", "BlockLayout", "BlockMover", "block_layout", "copy_blocks", "extension_available",
-    "gather_blocks",
-    "scatter_blocks",
+    "BlockCopier", "BlockLayout", "BlockMover", "block_layout", "copy_blocks",
+    "extension_available", "gather_blocks", "scatter_blocks",
 ]

@@ -3,10 +3,10 @@
 ``BlockMover`` is what a worker runs to load tier blocks into freshly allocated
 cache blocks and to save computed ones. Host payloads are numpy uint8 arrays of
 ``block_nbytes``; a CPU cache is gathered into and scattered from them directly.
-A GPU cache (the tiers always live in host memory, pinned then) loads through
-``STAGED_BLOCKS`` device staging blocks: each payload is copied into one, and one
-scatter per ``STAGED_BLOCKS`` loads writes them into the cache; saves go through one
-device block and a device-to-host copy each.
+A GPU cache (the tiers always live in host memory, pinned then) moves blocks through
+``STAGED_BLOCKS`` device staging blocks: each loaded payload is copied into one, and
+one scatter per ``STAGED_BLOCKS`` loads writes them into the cache; saves gather up to
+``STAGED_BLOCKS`` blocks with one kernel and copy each out, one sync per group.
 
 With ``num_groups`` KV-cache groups sharing the layers' tensors (vLLM's hybrid
 KV-cache manager, ``kvbackend.vllm.block_groups``), tier block ``b`` is the
@@ -46,9 +46,9 @@ class BlockMover:
       scattered.
     * ``prefetch``: disk blocks are read (and verified) into fresh arrays the host
       tier keeps, touching no cache block.
-    * ``save``: a block is gathered straight into the array the host tier keeps
-      (or into a staging row when it goes to disk only) and written from there;
-      ``gather`` copies a block into a fresh row (for the remote tier's writer).
+    * ``save_many``: each block is gathered straight into the array the host tier
+      keeps (or into a staging row when it goes to disk only) and written from there;
+      ``gather_many`` copies blocks into fresh rows (for the remote tier's writer).
 
     On a CPU cache a block costs one memcpy, plus one checksum pass when it comes
     from or goes to disk; apart from the arrays the host tier keeps, nothing is
@@ -71,9 +71,12 @@ class BlockMover:
         self.host, self.disk = host, disk
         self.device = layers[0].device
         self.copier = BlockCopier(layers, block_dim)
-        self._staging = [self._new_row() for _ in range(2 * READERS)]
         self._device_rows = (None if self.device.type == "cpu" else torch.empty(
             STAGED_BLOCKS, block_nbytes, dtype=torch.uint8, device=self.device))
+        # blocks per gather: one device-to-host sync per group on a GPU
+        self._gather_group = 1 if self._device_rows is None else STAGED_BLOCKS
+        self._staging = [self._new_row()
+                         for _ in range(max(2 * READERS, self._gather_group))]
         self._staged: list[int] = []  # block ids whose bytes wait in _device_rows[i]
         self._copying: list[np.ndarray] = []  # host rows async copies may still read
         self._readers: ThreadPoolExecutor | None = None
@@ -134,23 +137,31 @@ class BlockMover:
                     put += self.host.put(key, row, self.block_size)
         return put
 
-    def gather(self, block_id: int) -> np.ndarray:
-        """A fresh host copy of block ``block_id`` of every layer."""
-        row = self._new_row()
-        self._gather(block_id, row)
-        return row
+    def gather_many(self, block_ids: list[int]) -> list[np.ndarray]:
+        """A fresh host copy of each block of ``block_ids`` (every layer), in order."""
+        rows = [self._new_row() for _ in block_ids]
+        for start in range(0, len(block_ids), self._gather_group):
+            part = slice(start, start + self._gather_group)
+            self._gather(block_ids[part], rows[part])
+        return rows
 
-    def save(self, block_id: int, key: str, to_host: bool, to_disk: bool) -> None:
-        """Copy block ``block_id`` of every layer into the host tier and/or the disk tier."""
-        to_host, to_disk = to_host and self.host is not None, to_disk and self.disk is not None
-        if not (to_host or to_disk):
-            return
-        row = self._new_row() if to_host else self._staging[0]
-        self._gather(block_id, row)
-        if to_host:
-            self.host.put(key, row, self.block_size)
-        if to_disk:
-            self.disk.put(key, row, self.block_size)
+    def save_many(self, saves: list[tuple[int, str, bool, bool]]) -> None:
+        """For each (block id, key, to host, to disk), in order: copy block ``block_id`` of
+        every layer into the host tier and/or the disk tier (a tier the mover lacks is
+        skipped)."""
+        saves = [(block_id, key, to_host and self.host is not None,
+                  to_disk and self.disk is not None) for block_id, key, to_host, to_disk in saves]
+        saves = [save for save in saves if save[2] or save[3]]
+        for start in range(0, len(saves), self._gather_group):
+            part = saves[start:start + self._gather_group]
+            rows = [self._new_row() if to_host else self._staging[i]
+                    for i, (_, _, to_host, _) in enumerate(part)]
+            self._gather([block_id for block_id, *_ in part], rows)
+            for (_, key, to_host, to_disk), row in zip(part, rows):
+                if to_host:
+                    self.host.put(key, row, self.block_size)
+                if to_disk:
+                    self.disk.put(key, row, self.block_size)
 
     def _new_row(self) -> np.ndarray:
         """A host buffer for one block: pinned when the cache is on a GPU (the array
@@ -221,14 +232,19 @@ class BlockMover:
             torch.cuda.current_stream(self.device).synchronize()
             self._copying.clear()
 
-    def _gather(self, block_id: int, row: np.ndarray) -> None:
-        """Block ``block_id`` of every layer -> host bytes ``row``."""
-        target = torch.from_numpy(row)
+    def _gather(self, block_ids: list[int], rows: list[np.ndarray]) -> None:
+        """Block ``block_ids[i]`` of every layer -> host bytes ``rows[i]``, at most
+        ``_gather_group`` blocks: on a CPU cache straight into the row; on a GPU, one
+        gather into the staging blocks, a device-to-host copy per row, one sync."""
         if self._device_rows is None:
-            self.copier.gather(self._ids(block_id), target)
+            for block_id, row in zip(block_ids, rows):
+                self.copier.gather(self._ids(block_id), torch.from_numpy(row))
             return
-        staged = self.copier.gather(self._ids(block_id), self._device_rows[0])
-        target.copy_(staged)  # synchronous device-to-host copy
+        ids = torch.cat([self._ids(block_id) for block_id in block_ids])
+        staged = self.copier.gather(ids, self._device_rows[:len(block_ids)])
+        for block, row in zip(staged, rows):
+            torch.from_numpy(row).copy_(block, non_blocking=True)  # pinned: asynchronous
+        torch.cuda.current_stream(self.device).synchronize()
 
     def _ids(self, block_id: int) -> torch.Tensor:
         """The physical blocks of tier block ``block_id``, one per group."""

@@ -41,6 +41,7 @@ a failed load is recomputed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -197,26 +198,30 @@ class TierWorker:
         timed = {"host": 0, "disk": 0, "remote": 0}
         seconds = {"host": 0.0, "disk": 0.0, "remote": 0.0}
         try:
-            remote = []
+            local, to_disk_keys = [], set()
             for order in orders.saves:
-                start = time.perf_counter()
                 to_host = order.to_host and mover.host is not None
                 to_disk = (order.to_disk and mover.disk is not None
-                           and not mover.disk.contains(order.key))
-                mover.save(order.block_id, order.key, to_host, to_disk)
-                blocks["host"] += to_host
-                blocks["disk"] += to_disk
+                           and order.key not in to_disk_keys and not mover.disk.contains(order.key))
+                if to_disk:
+                    to_disk_keys.add(order.key)
                 if to_host or to_disk:
-                    tier = "disk" if to_disk else "host"
-                    timed[tier] += 1
-                    seconds[tier] += time.perf_counter() - start
-                if order.to_remote and self.remote is not None:
-                    start = time.perf_counter()
-                    remote.append((order.key, mover.gather(order.block_id), mover.block_size))
-                    seconds["remote"] += time.perf_counter() - start
+                    local.append((order.block_id, order.key, to_host, to_disk))
+            # In order (the planner's host mirror replays it), each run of blocks that go
+            # to disk or to host only in one batch, timed as that tier.
+            for tier, run in itertools.groupby(local, key=lambda s: "disk" if s[3] else "host"):
+                run = list(run)
+                start = time.perf_counter()
+                mover.save_many(run)
+                seconds[tier] += time.perf_counter() - start
+                timed[tier] += len(run)
+                blocks["host"] += sum(to_host for _, _, to_host, _ in run)
+                blocks["disk"] += sum(to_disk for _, _, _, to_disk in run)
+            remote = [o for o in orders.saves if o.to_remote] if self.remote is not None else []
             if remote:
                 start = time.perf_counter()
-                self.remote.submit(remote)
+                rows = mover.gather_many([o.block_id for o in remote])
+                self.remote.submit([(o.key, row, mover.block_size) for o, row in zip(remote, rows)])
                 seconds["remote"] += time.perf_counter() - start
                 blocks["remote"] = timed["remote"] = len(remote)
         except Exception:  # noqa: BLE001
