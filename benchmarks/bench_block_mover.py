@@ -88,13 +88,16 @@ def main() -> None:
             ("BlockMover load disk", _median_seconds(load_disk, device, args.repeats)),
             ("BlockMover save host", _median_seconds(save_host, device, args.repeats)),
         ]
+        host_bytes, pinned_bytes = host.bytes_used, mover.pinned_nbytes
         for i in range(args.num_ids):  # the loads wrote exactly the source blocks' bytes
             for layer in layers:
                 assert torch.equal(layer[:, args.num_ids + i], layer[:, i])
 
     print(f"{args.num_layers} layers x {list(shape)} bf16 on {device}, {args.num_ids} blocks "
           f"of {block_nbytes / 2**20:.2f} MiB per call, pinned host rows: {pinned}, "
-          f"extension: {extension_available()}, torch {torch.__version__}\n")
+          f"extension: {extension_available()}, torch {torch.__version__}")
+    print(f"host tier: {host_bytes / 2**20:.0f} MiB in {args.num_ids} rows; pinned for the "
+          f"mover's rows: {pinned_bytes / 2**20:.0f} MiB\n")
     print("| path | MiB moved | ms (median) | GB/s | vs one copy_ |")
     print("|---|---:|---:|---:|---:|")
     baseline = {"load": rows[0][1], "save": rows[1][1]}

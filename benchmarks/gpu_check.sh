@@ -11,14 +11,17 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c \
 $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 $PY -c "from kvbackend.ops import _extension as e; x = e.get(); \
 assert x is not None and x.has_cuda, 'the CUDA kernels did not build'"
-$PY -m pytest -q -p no:cacheprovider tests/test_block_copy_ops.py tests/test_block_mover.py
+$PY -m pytest -q -p no:cacheprovider tests/test_block_copy_ops.py tests/test_block_mover.py \
+    tests/test_pinned_rows.py
 if command -v compute-sanitizer > /dev/null; then
     compute-sanitizer --tool memcheck --error-exitcode 1 \
         $PY -m pytest -q -p no:cacheprovider tests/test_block_copy_ops.py -k cuda
 fi
 $PY benchmarks/bench_block_copy.py --device cuda --num-layers 32 --num-blocks 1024 \
     --num-ids 512 --heads 8 --block-size 16 --head-size 128 --repeats 20
-for block_size in 16 128; do
-    $PY benchmarks/bench_block_mover.py --device cuda --num-layers 32 --num-ids 128 \
-        --block-size $block_size
+# 2 MiB and 16 MiB blocks; 40 layers: 2.5 MiB blocks, not a power of two
+for shape in "32 16" "32 128" "40 16"; do
+    set -- $shape
+    $PY benchmarks/bench_block_mover.py --device cuda --num-layers $1 --block-size $2 \
+        --num-ids 128
 done

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvbackend.ops.block_copy import BlockCopier
+from kvbackend.ops.pinned_rows import PinnedRows
 from kvbackend.store import DiskTier, HostTier
 
 # Threads reading and verifying disk blocks ahead of the scatters: half the usable cores,
@@ -71,6 +72,7 @@ class BlockMover:
         self.host, self.disk = host, disk
         self.device = layers[0].device
         self.copier = BlockCopier(layers, block_dim)
+        self._pinned = None if self.device.type == "cpu" else PinnedRows(block_nbytes)
         self._device_rows = (None if self.device.type == "cpu" else torch.empty(
             STAGED_BLOCKS, block_nbytes, dtype=torch.uint8, device=self.device))
         # blocks per gather: one device-to-host sync per group on a GPU
@@ -80,6 +82,11 @@ class BlockMover:
         self._staged: list[int] = []  # block ids whose bytes wait in _device_rows[i]
         self._copying: list[np.ndarray] = []  # host rows async copies may still read
         self._readers: ThreadPoolExecutor | None = None
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Host memory pinned for this mover's rows (0 on a CPU cache)."""
+        return 0 if self._pinned is None else self._pinned.pinned_nbytes
 
     def load_many(self, loads: list[tuple[int, str, bool]]) -> list[bool]:
         """For each (block id, key, promote): fill that block of every layer with the
@@ -164,11 +171,11 @@ class BlockMover:
                     self.disk.put(key, row, self.block_size)
 
     def _new_row(self) -> np.ndarray:
-        """A host buffer for one block: pinned when the cache is on a GPU (the array
-        keeps its pinned tensor alive), plain numpy memory otherwise."""
-        if self.device.type == "cpu":
+        """A host buffer for one block: a pinned row (``PinnedRows``) when the cache is
+        on a GPU, plain numpy memory otherwise."""
+        if self._pinned is None:
             return np.empty(self.block_nbytes, dtype=np.uint8)
-        return torch.empty(self.block_nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return self._pinned.take()
 
     def _host_row(self, key: str) -> np.ndarray | None:
         payload = None if self.host is None else self.host.get(key)
