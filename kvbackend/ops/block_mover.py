@@ -30,7 +30,8 @@ from kvbackend.store import DiskTier, HostTier
 # Threads reading and verifying disk blocks ahead of the scatters: half the usable cores,
 # 2 to 8. On a 16-core H200 machine disk loads of 16 MiB blocks ran at 4.3 / 7.0 / 14.2 GB/s
 # with 2 / 4 / 8 readers (2 MiB blocks: 4.4 / 6.8 / 7.0; bench_block_mover.py).
-READERS = min(8, max(2, len(os.sched_getaffinity(0)) // 2))
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+READERS = min(8, max(2, (_CORES or 2) // 2))
 STAGED_BLOCKS = 8  # device staging blocks of a GPU cache: loads scattered per call
 
 
