@@ -12,7 +12,15 @@ The scheduler's calls map onto the core like this:
 
 Tokens are published to the tree when they are scheduled, as vLLM does: a
 request admitted in the same step may share those *full* blocks, because every
-layer writes the whole batch's KV before it attends. A *partial* hit is served
+layer writes the whole batch's KV before it attends. A step's publishes take
+effect once the step can no longer lose a request: vLLM's priority policy may
+preempt a request it already scheduled in the same step (in its running loop,
+when a later request cannot grow), and that request's scheduled tokens are then
+never computed. So ``allocate_slots`` records what it schedules, and the step's
+first lookup (``get_computed_blocks``: vLLM looks up only in its waiting loop,
+after the running loop, and admits nobody in a step that preempted) or its end
+(``take_kv_cache_block_copies``) publishes it; a request freed before then
+publishes only its computed tokens. A *partial* hit is served
 by copying its block before the forward pass, so it must not come from a block
 written in the current step: such a hit falls back to the longest one whose
 partial block is older (a node higher on the path, e.g. the conversation two
@@ -123,8 +131,8 @@ when vLLM adds a public member that this table does not name):
     estimate_cached_tokens             overridden  tokens under the locked node
     usage                              overridden  held blocks of kvbackend's pool
     reset_prefix_cache                 overridden  clears the tree
-    take_kv_cache_block_copies         overridden  copy-on-write copies of partial hits,
-                                                   one per group
+    take_kv_cache_block_copies         overridden  the step's publishes; copy-on-write
+                                                   copies of partial hits, one per group
     new_step_starts                    overridden  copies ran; step's writes are done
     evict_blocks                       overridden  checks no failed block is published
     remove_skipped_blocks              overridden  every group keeps its blocks (above)
@@ -217,6 +225,8 @@ class KVBackendManager(KVCacheManager):
                 "cache more memory")
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step: set[int] = set()
+        # request id -> (request, tokens) scheduled this step, published by _publish_scheduled
+        self._scheduled: dict[str, tuple[Request, int]] = {}
         self.kv_events = kv_events  # set with --kv-events-config
         self.miss_log = (MissLog(backend_config.explain_misses, self.cache)
                          if backend_config.explain_misses else None)
@@ -227,6 +237,7 @@ class KVBackendManager(KVCacheManager):
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
         """Token-exact hit, capped at ``num_tokens - 1`` (and the prompt on first admission).
         O(depth + new tokens + matched tokens), one more match per same-step fallback."""
+        self._publish_scheduled()
         tracked = self._track(request)
         if not tracked.cacheable or not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
@@ -263,9 +274,9 @@ class KVBackendManager(KVCacheManager):
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
-        """All or nothing; returns only the blocks appended to the request's table.
-        O(depth + blocks) at admission, O(new blocks) after, plus ``_publish``'s
-        O(depth + tokens) when it publishes."""
+        """All or nothing; returns only the blocks appended to the request's table and
+        records the scheduled tokens for ``_publish_scheduled``. O(depth + blocks) at
+        admission, O(new blocks) after."""
         if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "computed tokens to adopt")
@@ -315,7 +326,7 @@ class KVBackendManager(KVCacheManager):
             seq.block_ids[first_written: cdiv(end, self.block_size)])
         tracked.loading = delay_cache_blocks
         if not num_external_computed_tokens:  # else: published once the load is known good
-            self._publish(request, tracked, min(end, request.num_tokens))
+            self._scheduled[request.request_id] = (request, min(end, request.num_tokens))
         return self._as_blocks(new_block_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -329,7 +340,9 @@ class KVBackendManager(KVCacheManager):
     def free(self, request: Request) -> None:
         """Publish every computed token (partial tail included; nothing while a load is
         not known good), then release; a finished request with ``kv_retain_s`` leaves
-        its context retained. O(depth + tokens + blocks)."""
+        its context retained. Tokens scheduled in the current step are not computed
+        (preempted out of its step): dropped. O(depth + tokens + blocks)."""
+        self._scheduled.pop(request.request_id, None)
         if self.miss_log is not None:
             self.miss_log.forget(request.request_id)
         tracked = self._requests.pop(request.request_id, None)
@@ -404,8 +417,10 @@ class KVBackendManager(KVCacheManager):
         return counts.held / counts.usable
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """Copies for the worker to run before this step's forward pass; their
-        source blocks stay held until the next step starts. O(copies * groups)."""
+        """The end of a step: its publishes, then the copies for the worker to run before
+        its forward pass (their source blocks stay held until the next step starts).
+        O(copies * groups), plus ``_publish_scheduled``'s."""
+        self._publish_scheduled()
         copies = self.cache.take_block_copies()
         return self.groups.copies((c.src, c.dst) for c in copies), []
 
@@ -427,6 +442,9 @@ class KVBackendManager(KVCacheManager):
 
     def new_step_starts(self) -> None:
         """The previous step ran: release its copies' sources. O(copies + blocks written)."""
+        if self._scheduled:
+            raise RuntimeError(f"{len(self._scheduled)} request(s) scheduled in the previous "
+                               "step were never published; this indicates a bug")
         super().new_step_starts()
         self.cache.complete_block_copies()  # the previous step, and its copies, have run
         self._written_this_step.clear()
@@ -466,6 +484,13 @@ class KVBackendManager(KVCacheManager):
                               cacheable=tracked.cacheable)
         self.miss_log.admitted(request.request_id, tracked.namespace, prompt, admission,
                                self._written_this_step)
+
+    def _publish_scheduled(self) -> None:
+        """Publish what this step scheduled so far: no request of it can be preempted out
+        of it any more. O(depth + tokens) per request that publishes."""
+        for request, num_tokens in self._scheduled.values():
+            self._publish(request, self._requests[request.request_id], num_tokens)
+        self._scheduled.clear()
 
     def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,
                  force: bool = False) -> None:

@@ -68,7 +68,6 @@ def unsupported_features(config: VllmConfig,
         "kv_both; pass --no-async-scheduling)":
             bool(sched.async_scheduling) and any(
                 c.is_kv_consumer and not is_tier_connector(c) for c in child_configs(transfer)),
-        "priority scheduling (use the default fcfs policy)": sched.policy != "fcfs",
         "encoder-decoder models": model.is_encoder_decoder,
         # vLLM picks its DiffusionScheduler only when no scheduler class is set.
         "diffusion models (they need vLLM's DiffusionScheduler)":

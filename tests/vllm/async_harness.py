@@ -228,9 +228,11 @@ class AsyncHarness:
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    def add(self, request_id: str, prompt: list[int], max_tokens: int,
+            priority: int = 0) -> None:
         request = Request(request_id, list(prompt),
-                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), None)
+                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                          priority=priority)
         self.requests[request_id] = request
         self.worker.prompts[request_id] = list(prompt)
         self.scheduler.add_request(request)
