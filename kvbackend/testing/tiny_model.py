@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -102,10 +103,13 @@ def build_tiny_qwen3_next(path: str, *, seed: int = 0) -> str:
 
     Saved in bfloat16 with linear-attention head dims of 128: vLLM's CPU kernel for these
     layers takes nothing else. vLLM needs a sparse-MoE layer in the model, so the second
-    layer's MLP is a tiny MoE. Reuse and determinism as in ``build_tiny_llama``.
+    layer's MLP is a tiny MoE. The linear-attention state decays slowly (``A`` of 1e-3
+    per head instead of a random 0.01-16, which forgets within a few tokens), so the
+    outputs depend on the state hundreds of tokens back: a hit that resumed from a wrong
+    state would show in them. Reuse and determinism as in ``build_tiny_llama``.
     """
     params = dict(arch="qwen3_next", seed=seed, dtype="bfloat16", vocab_size=512,
-                  max_position_embeddings=8192)
+                  max_position_embeddings=8192, state_decay=1e-3)
 
     def make_config():
         from transformers import Qwen3NextConfig
@@ -121,12 +125,21 @@ def build_tiny_qwen3_next(path: str, *, seed: int = 0) -> str:
         config.architectures = ["Qwen3NextForCausalLM"]
         return config
 
-    return _build(path, params, make_config)
+    def slow_decay(model) -> None:
+        import torch
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                with torch.no_grad():
+                    layer.linear_attn.A_log.fill_(math.log(params["state_decay"]))
+
+    return _build(path, params, make_config, prepare=slow_decay)
 
 
-def _build(path: str, params: dict, make_config: Callable) -> str:
-    """Save a random model from ``make_config()`` and the word-level tokenizer into
-    ``path``, unless ``path`` already holds one built with ``params``."""
+def _build(path: str, params: dict, make_config: Callable,
+           prepare: Callable | None = None) -> str:
+    """Save a random model from ``make_config()`` (then ``prepare(model)``, if given) and
+    the word-level tokenizer into ``path``, unless ``path`` already holds one built with
+    ``params``."""
     config_path = os.path.join(path, "config.json")
     if os.path.exists(config_path):
         with open(config_path) as f:
@@ -144,6 +157,8 @@ def _build(path: str, params: dict, make_config: Callable) -> str:
     setattr(config, _PARAMS_KEY, params)
     torch.manual_seed(params["seed"])
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, params["dtype"])).eval()
+    if prepare is not None:
+        prepare(model)
 
     words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS))]
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *words))}

@@ -76,6 +76,19 @@ groups every tier hit loads asynchronously (``delay_cache_blocks``, published by
 ``cache_blocks`` once done), since vLLM reports a failed load then per request,
 which it recomputes whole (``free``: nothing of it was published).
 
+Mamba / linear-attention hybrids (Gated DeltaNet, Mamba): vLLM runs their state
+groups in ``mamba_cache_mode="align"`` (the plugin keeps vLLM's prefix-caching
+switch on for them, its hashing unused), whose workers keep a request's running
+state in the state block of the step's last token. A state block holds the state
+after exactly its last token only if a step ended there
+(``state_checkpoints.py``), so a hit ends on the longest such block of its
+match: whole blocks only (no partial hit, hence no copy-on-write), never on a
+block written in the current step (the workers copy a hit's state before the
+forward pass), and re-checked at admission. Every group keeps its blocks, as
+above: the state blocks of a long request stay, each holding a checkpoint or an
+intermediate state no hit reads. Tiers, other connectors, speculative decoding
+and async scheduling are refused with such models (``scheduler.py``).
+
 Async scheduling (``KVBackendAsyncScheduler``): step N+1 is scheduled while
 step N runs, so ``num_computed_tokens`` counts tokens whose step has not run
 and output placeholders (tokens not sampled yet). kvbackend keeps vLLM's own
@@ -138,8 +151,10 @@ when vLLM adds a public member that this table does not name):
     remove_skipped_blocks              overridden  every group keeps its blocks (above)
     pop_blocks_for_free                overridden  deferred frees: refused (only for
                                                    connectors loading out of step order)
-    finalize_partial_tail_offloads     overridden  Mamba "align" only: none
-    get_computed_blocks_for_connector  inherited   not Mamba: calls get_computed_blocks
+    finalize_partial_tail_offloads     overridden  Mamba "align" tail hand-offs to a
+                                                   connector: none (refused together)
+    get_computed_blocks_for_connector  overridden  get_computed_blocks: one logical block
+                                                   spans every group, hits never diverge
     get_block_ids                      inherited   reads get_blocks
     get_block_ids_for_computed_tokens  inherited   clips get_block_ids
     truncate_computed_blocks           inherited   slices a lookup result, one group
@@ -150,11 +165,14 @@ when vLLM adds a public member that this table does not name):
                                                    writes the explain_misses record
     make_prefix_cache_stats            inherited   drains prefix_cache_stats
     get_num_common_prefix_blocks       inherited   deprecated, zeros
-    take_new_block_ids                 inherited   zeroing is for Mamba / mixed
-                                                   precision only: vLLM's unused
-                                                   pool records nothing, []
+    take_new_block_ids                 inherited   vLLM zeroes new attention blocks of
+                                                   Mamba / mixed-precision models, since
+                                                   its blocks change group and may hold
+                                                   another group's bytes; kvbackend's
+                                                   never change group: []
     record_blocks_for_zeroing          inherited   same: no group records ids
-    take_boundary_state_offloads       inherited   Mamba "align" only: {}
+    take_boundary_state_offloads       inherited   Mamba "align" states for a connector:
+                                                   {} (refused together)
     take_events                        overridden  kvbackend's device and tier block
                                                    events, one per KV-cache group
                                                    (``kv_events.py``)
@@ -170,6 +188,7 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer, cdiv
@@ -180,6 +199,7 @@ from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.miss_log import MissLog
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.request_options import request_options
+from kvbackend.vllm.state_checkpoints import StateCheckpoints
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +221,9 @@ class _TrackedRequest:
 
 
 class KVBackendManager(KVCacheManager):
-    """A drop-in ``KVCacheManager`` for attention models with one or several KV-cache
-    groups (full attention, sliding windows); block ids handed to the tree and pool
-    are logical (``BlockGroups``)."""
+    """A drop-in ``KVCacheManager`` for models with one or several KV-cache groups
+    (full attention, sliding windows, Mamba / linear-attention states in "align"
+    mode); block ids handed to the tree and pool are logical (``BlockGroups``)."""
 
     def __init__(self, *args: Any, backend_config: KVBackendConfig,
                  kv_events: BlockEvents | None = None, **kwargs: Any) -> None:
@@ -225,8 +245,13 @@ class KVBackendManager(KVCacheManager):
                 "cache more memory")
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step: set[int] = set()
-        # request id -> (request, tokens) scheduled this step, published by _publish_scheduled
-        self._scheduled: dict[str, tuple[Request, int]] = {}
+        # request id -> (request, tokens, step end) scheduled this step, published by
+        # _publish_scheduled
+        self._scheduled: dict[str, tuple[Request, int, int]] = {}
+        # Mamba / linear-attention hybrids: hits end on a block holding a state checkpoint
+        self.checkpoints = StateCheckpoints(self.block_size, self.groups.num_logical) if any(
+            isinstance(group.kv_cache_spec, MambaSpec)
+            for group in self.kv_cache_config.kv_cache_groups) else None
         self.kv_events = kv_events  # set with --kv-events-config
         self.miss_log = (MissLog(backend_config.explain_misses, self.cache)
                          if backend_config.explain_misses else None)
@@ -250,6 +275,11 @@ class KVBackendManager(KVCacheManager):
             # A node higher on the path may hold its own, older copy of that block.
             fallback = max(match.node.start, match.num_full_blocks * self.block_size)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=fallback)
+        if self.checkpoints is not None:  # the state must resume from a checkpoint
+            resumable = self.checkpoints.longest_hit(
+                match.block_ids[: match.num_full_blocks], self._written_this_step)
+            if resumable != match.num_tokens:
+                match = self.cache.match(tokens, tracked.namespace, max_tokens=resumable)
         tracked.match = match
         return self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens, 0
 
@@ -320,13 +350,15 @@ class KVBackendManager(KVCacheManager):
                 return None
         if self.kv_events is not None:
             self.kv_events.reused(allocated)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(allocated)
         end = computed + num_new_tokens
         first_written = (computed - num_external_computed_tokens) // self.block_size
         self._written_this_step.update(
             seq.block_ids[first_written: cdiv(end, self.block_size)])
         tracked.loading = delay_cache_blocks
         if not num_external_computed_tokens:  # else: published once the load is known good
-            self._scheduled[request.request_id] = (request, min(end, request.num_tokens))
+            self._scheduled[request.request_id] = (request, min(end, request.num_tokens), end)
         return self._as_blocks(new_block_ids)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -376,8 +408,15 @@ class KVBackendManager(KVCacheManager):
         """Nothing to free: every group keeps the blocks that left its window."""
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """Only Mamba "align" groups have partial-tail offloads; kvbackend has none."""
+        """Mamba "align" partial tails handed to a KV connector: none (connectors are
+        refused with state layers)."""
         return []
+
+    def get_computed_blocks_for_connector(
+            self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks``: a hit covers every group (one logical block spans all
+        of them), so it never diverges between groups."""
+        return *self.get_computed_blocks(request), False
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block and pin; refused (False) while requests hold blocks.
@@ -385,6 +424,8 @@ class KVBackendManager(KVCacheManager):
         if self.cache.sequences:
             return False
         self.cache.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         if self.kv_events is not None:
             self.kv_events.cleared()
         if self.miss_log is not None:
@@ -471,6 +512,11 @@ class KVBackendManager(KVCacheManager):
                 raise RuntimeError(f"request {request.request_id}: the scheduler adopted {hit} "
                                    f"cached tokens but only {match.num_tokens} are cached; "
                                    "this indicates a bug")
+        if self.checkpoints is not None and hit and self.checkpoints.longest_hit(
+                match.block_ids[: match.num_full_blocks], self._written_this_step) != hit:
+            raise RuntimeError(f"request {request.request_id}: the scheduler adopted {hit} "
+                               "cached tokens, which do not end on a state checkpoint; this "
+                               "indicates a bug")
         return match
 
     def _explain_admission(self, request: Request, tracked: _TrackedRequest, match: PrefixMatch,
@@ -488,8 +534,11 @@ class KVBackendManager(KVCacheManager):
     def _publish_scheduled(self) -> None:
         """Publish what this step scheduled so far: no request of it can be preempted out
         of it any more. O(depth + tokens) per request that publishes."""
-        for request, num_tokens in self._scheduled.values():
-            self._publish(request, self._requests[request.request_id], num_tokens)
+        for request, num_tokens, end in self._scheduled.values():
+            tracked = self._requests[request.request_id]
+            self._publish(request, tracked, num_tokens)
+            if self.checkpoints is not None and end == num_tokens:
+                self.checkpoints.step_ended(tracked.sequence.block_ids, end)
         self._scheduled.clear()
 
     def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,

@@ -9,7 +9,9 @@ that travels to the engine-core process. Without ``--kv-backend`` both wrappers
 change nothing. A third wrapper, around ``create_engine_config`` (offline and
 server alike), drops that validator under speculative decoding, where vLLM's
 workers refuse every custom logits processor: bad options then fall back to the
-defaults in the engine core, with a warning, instead of failing the request.
+defaults in the engine core, with a warning, instead of failing the request; and
+for a Mamba / linear-attention hybrid it builds the configuration again with
+vLLM's prefix-caching switch on (its workers then keep state checkpoints).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 from typing import Any
 
 from kvbackend.vllm import (
-    OPTIONS_VALIDATOR, TIER_CONNECTOR, TIER_CONNECTOR_MODULE, engine_kwargs,
+    OPTIONS_VALIDATOR, SCHEDULER_CLS, TIER_CONNECTOR, TIER_CONNECTOR_MODULE, engine_kwargs,
 )
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
 
@@ -55,6 +57,9 @@ def register() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         config = original_create(self, *args, **kwargs)
+        if _needs_state_checkpoints(self, config):
+            self.enable_prefix_caching = True
+            config = original_create(self, *args, **kwargs)
         _drop_validator_under_spec_decode(config)
         return config
 
@@ -62,6 +67,17 @@ def register() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_engine_config = create_engine_config
     EngineArgs._kvbackend_flags = True
+
+
+def _needs_state_checkpoints(engine_args: Any, config: Any) -> bool:
+    """Whether kvbackend, which switches vLLM's prefix caching off, must switch it back on
+    for ``config``'s model: a Mamba / linear-attention hybrid. Only then do vLLM's
+    workers keep the state at block boundaries (``mamba_cache_mode="align"``) that
+    kvbackend's hits resume from; vLLM's hash-based lookups stay unused (kvbackend's
+    manager replaces them)."""
+    model = config.model_config
+    return (engine_args.scheduler_cls == SCHEDULER_CLS and model is not None
+            and not config.cache_config.enable_prefix_caching and model.is_hybrid)
 
 
 def _drop_validator_under_spec_decode(config: Any) -> None:

@@ -18,7 +18,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheConfig,
-    RSWASpec, SlidingWindowSpec,
+    MambaSpec, RSWASpec, SlidingWindowSpec,
 )
 from vllm.v1.request import Request
 
@@ -29,12 +29,11 @@ from kvbackend.vllm.manager import KVBackendManager
 
 
 STATE_LAYERS_REFUSAL = (
-    "Mamba / linear-attention (state-space) layers: their state is one running value per "
+    "state layers without block-boundary checkpoints: their state is one running value per "
     "request, not KV per token, so a hit must resume from that state checkpointed exactly at "
-    "its end; kvbackend keeps no state checkpoints (vLLM's mamba_cache_mode=\"align\" "
-    "keeps one at each block boundary a step ended on), and its token-exact and partial-block "
-    "hits would have none to resume from. Serve such a model with vLLM's own prefix caching "
-    "(enable_prefix_caching=True, without kvbackend)")
+    "its end, which kvbackend finds only for Mamba / linear-attention layers in vLLM's "
+    "mamba_cache_mode=\"align\" (used where vLLM's prefix caching supports the model; "
+    "this one runs them in mode \"none\" or has other state layers)")
 
 
 def unsupported_features(config: VllmConfig,
@@ -46,6 +45,7 @@ def unsupported_features(config: VllmConfig,
     see ``kvbackend.vllm.connectors``.
     """
     sched, parallel, model = config.scheduler_config, config.parallel_config, config.model_config
+    states = kv_cache_config is not None and kv_cache_config.has_mamba_layers
     spec = config.speculative_config
     transfer = config.kv_transfer_config
     checks = {
@@ -78,8 +78,17 @@ def unsupported_features(config: VllmConfig,
         "non-causal (bidirectional or prefix-LM) attention":
             config.attention_config.use_non_causal
             or (kv_cache_config is not None and _has_non_causal_layers(kv_cache_config)),
-        # What serving them would take: README "Mamba / linear-attention hybrids".
-        STATE_LAYERS_REFUSAL: kv_cache_config is not None and _has_state_layers(kv_cache_config),
+        # README "Mamba / linear-attention hybrids"; the manager's docstring.
+        STATE_LAYERS_REFUSAL: kv_cache_config is not None and any(
+            not _is_token_kv(g.kv_cache_spec) and not _is_checkpointed_state(g.kv_cache_spec)
+            for g in kv_cache_config.kv_cache_groups),
+        "Mamba / linear-attention hybrids together with async scheduling (to check on a "
+        "GPU; pass --no-async-scheduling)": states and bool(sched.async_scheduling),
+        "Mamba / linear-attention hybrids together with speculative decoding (vLLM's "
+        "speculative state blocks)": states and spec is not None,
+        "Mamba / linear-attention hybrids together with kvbackend's tiers or another KV "
+        "connector (they move attention KV pages, not state checkpoints)":
+            states and transfer is not None,
         "KV-cache groups with different block sizes (one logical block spans every group)":
             kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config),
     }
@@ -96,22 +105,24 @@ def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:
                for group in kv_cache_config.kv_cache_groups)
 
 
-_TOKEN_KV_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+def _is_token_kv(spec) -> bool:
+    """Per-token attention KV, a function of the tokens up to each position."""
+    return isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
 
 
-def _has_state_layers(kv_cache_config: KVCacheConfig) -> bool:
-    """Whether a group caches something other than per-token attention KV (Mamba,
-    linear attention, compressor ring buffers)."""
-    return any(not isinstance(group.kv_cache_spec, _TOKEN_KV_SPECS)
-               for group in kv_cache_config.kv_cache_groups)
+def _is_checkpointed_state(spec) -> bool:
+    """A Mamba / linear-attention group whose workers keep a state per block boundary a
+    step ended on (``state_checkpoints.py``)."""
+    return isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
 
 
 def _has_mixed_block_sizes(kv_cache_config: KVCacheConfig) -> bool:
-    """Whether the per-token KV groups differ in block size. State groups are left out:
-    they are refused on their own, and without vLLM's prefix caching (kvbackend turns it
-    off) their one block per request spans ``max_model_len``."""
+    """Whether the served groups differ in block size. Other state groups are left out:
+    they are refused on their own, and outside "align" mode their one block per request
+    spans ``max_model_len``."""
     return len({group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
-                if isinstance(group.kv_cache_spec, _TOKEN_KV_SPECS)}) > 1
+                if _is_token_kv(group.kv_cache_spec)
+                or _is_checkpointed_state(group.kv_cache_spec)}) > 1
 
 
 class KVBackendScheduler(Scheduler):

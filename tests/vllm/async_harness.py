@@ -22,6 +22,14 @@ before it was written fails at once. Sampled tokens are a fixed function of
 (request, position), so the tokens the scheduler appends later are the ones the
 worker already used.
 
+With ``state_layers`` the model also has a Mamba-style state group in vLLM's "align"
+mode, and the worker keeps its state blocks as ``preprocess_mamba`` does: before the
+forward pass a request's state moves from the block of its previous step's last token
+to the block of this step's last token, which the step then updates. A state block
+holds the id of the prefix its state summarizes; a request resuming at position p must
+find the state of its own first p tokens there, so a hit on a block no step ended on,
+or one written in that same step, fails at once.
+
 With kvbackend's tiers configured, the worker-role tier connector (real
 ``TierWorker``, ``HostTier``, ``DiskTier``) moves those bytes in the model runner's
 order: loads before the forward pass when the step has synchronous ones, else after
@@ -40,7 +48,9 @@ from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -99,6 +109,7 @@ class PrefixIds:
 class _WorkerRequest:
     prompt: list[int]
     blocks: list[int] = field(default_factory=list)
+    state_blocks: list[int] = field(default_factory=list)  # the state group's table
     prefix_ids: list[int] = field(default_factory=list)  # id of tokens[:p + 1] at p
 
 
@@ -106,8 +117,12 @@ class ContentWorker:
     """The model runner, reduced to which token prefix each KV slot holds (0: none).
     ``connector``: the worker-role tier connector, or None."""
 
-    def __init__(self, block_size: int, num_blocks: int, connector=None) -> None:
+    def __init__(self, block_size: int, num_blocks: int, connector=None,
+                 state_layers: bool = False) -> None:
         self.block_size = block_size
+        # state block -> id of the prefix whose state it holds; request -> its state block
+        self.states: dict[int, int] | None = {} if state_layers else None
+        self.state_index: dict[str, int] = {}
         # vLLM's CPU layout [K/V, block, head, offset, dim]; every value of a slot is its id
         self.kv = torch.zeros(2, num_blocks, NUM_KV_HEADS, block_size, HEAD_SIZE)
         self.prefixes = PrefixIds()
@@ -138,25 +153,32 @@ class ContentWorker:
         requests that read a block whose synchronous load failed in this very step (vLLM
         discards their output: they sample ``POISON``) and the tier connector's output
         (None when empty, as the model runner sends it)."""
+        cached = out.scheduled_cached_reqs
+        for request_id in (out.finished_req_ids | (out.preempted_req_ids or set())
+                           | cached.resumed_req_ids):
+            self.state_index.pop(request_id, None)
         for request_id in out.finished_req_ids | (out.preempted_req_ids or set()):
             self.requests.pop(request_id, None)
         starts: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             self.requests[new.req_id] = _WorkerRequest(self.prompts[new.req_id],
-                                                       list(new.block_ids[0]))
+                                                       *map(list, new.block_ids))
             starts[new.req_id] = new.num_computed_tokens
-        cached = out.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if request_id in cached.resumed_req_ids:
                 self.requests[request_id] = _WorkerRequest(self.prompts[request_id],
-                                                           list(new_ids[0]))
+                                                           *map(list, new_ids))
             elif new_ids is not None:
-                self.requests[request_id].blocks.extend(new_ids[0])
+                for table, ids in zip((self.requests[request_id].blocks,
+                                       self.requests[request_id].state_blocks), new_ids):
+                    table.extend(ids)
             starts[request_id] = cached.num_computed_tokens[i]
         bs = self.block_size
         for copy in out.kv_cache_block_copies or ():
             self.kv[:, copy.dst_block_id] = self.kv[:, copy.src_block_id]
+        if self.states is not None:
+            self._advance_states(out, starts)
         connector, failed = self.connector, set()
         if connector is not None:
             connector.bind_connector_metadata(out.kv_connector_metadata)
@@ -197,6 +219,23 @@ class ContentWorker:
         connector.clear_connector_metadata()
         return starts, poisoned, None if result.is_empty() else result
 
+    def _advance_states(self, out: SchedulerOutput, starts: dict[str, int]) -> None:
+        """The state group's step: every request's copy (checked), then every update."""
+        bs, updates = self.block_size, []
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            table, start = self.requests[request_id].state_blocks, starts[request_id]
+            previous = self.state_index.get(request_id, (start - 1) // bs)
+            current = (start + num_tokens + bs - 1) // bs - 1
+            self.state_index[request_id] = current
+            if start:
+                held = self.states.get(table[previous], 0)
+                assert held == self.prefix_id(request_id, start - 1), (
+                    f"{request_id} resumes at {start} from state block {table[previous]}, "
+                    "which holds the state of another prefix or none")
+                self.states[table[current]] = held
+            updates.append((table[current], self.prefix_id(request_id, start + num_tokens - 1)))
+        self.states.update(updates)
+
 
 def tier_gb(vllm_config, num_blocks: int) -> float:
     """``host_cache_gb`` for a host tier of ``num_blocks`` blocks of the synthetic cache."""
@@ -209,21 +248,28 @@ class AsyncHarness:
     ``tiers``: the tier connector's settings (``kv_connector_extra_config``) when
     ``vllm_config`` selects it."""
 
-    def __init__(self, vllm_config, *, num_blocks: int, tiers: dict | None = None) -> None:
+    def __init__(self, vllm_config, *, num_blocks: int, tiers: dict | None = None,
+                 state_layers: bool = False) -> None:
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         if tiers is not None:
             vllm_config.kv_transfer_config.kv_connector_extra_config = dict(tiers)
         block_size = vllm_config.cache_config.block_size
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                  head_size=HEAD_SIZE, dtype=torch.float32)
+        groups = [KVCacheGroupSpec(["attn"], spec)]
+        if state_layers:  # vLLM's scheduler then ends prefill chunks on block boundaries
+            vllm_config.cache_config.mamba_cache_mode = "align"
+            groups.append(KVCacheGroupSpec(["state"], MambaSpec(
+                block_size=block_size, shapes=((HEAD_SIZE,),), dtypes=(torch.float32,),
+                mamba_cache_mode="align")))
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(["attn"], spec)])
+                                        kv_cache_groups=groups)
         self.scheduler = KVBackendScheduler(
             vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
             structured_output_manager=StructuredOutputManager(vllm_config))
         connector = None if tiers is None else KVConnectorFactory.create_connector(
             vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        self.worker = ContentWorker(block_size, num_blocks, connector)
+        self.worker = ContentWorker(block_size, num_blocks, connector, state_layers)
         self.requests: dict[str, Request] = {}
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
@@ -299,6 +345,6 @@ class AsyncHarness:
             match = manager.cache.match(tokens, request_namespace(request), touch=False)
             ids = self.worker.prefixes.of(tokens[:match.num_tokens])
             for p, prefix_id in enumerate(ids):
-                block_id = match.block_ids[p // bs]
+                block_id = manager.groups.physical(match.block_ids[p // bs], 0)
                 assert self.worker.slot(block_id, p % bs) == prefix_id, (
                     f"published block {block_id} does not hold {request_id}'s position {p}")

@@ -25,7 +25,6 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm import engine_kwargs
-from kvbackend.testing.tiny_model import build_tiny_qwen3_next
 from kvbackend.vllm.scheduler import (
     STATE_LAYERS_REFUSAL, KVBackendScheduler, unsupported_features,
 )
@@ -70,12 +69,6 @@ def diffusion_model(tiny_model, tmp_path_factory) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def linear_attention_hybrid(tmp_path_factory) -> str:
-    """A tiny random Qwen3-Next: Gated DeltaNet linear attention + full attention."""
-    return build_tiny_qwen3_next(str(tmp_path_factory.mktemp("tiny-qwen3-next")))
-
-
 START_SCRIPT = """
 import sys
 from vllm import LLM
@@ -104,14 +97,6 @@ def _start_refusal(model: str, dtype: str, tmp_path) -> str:
 
 def test_prefix_lm_model_is_refused_at_start(prefix_lm_model, tmp_path):
     assert "non-causal" in _start_refusal(prefix_lm_model, "float32", tmp_path)
-
-
-def test_linear_attention_hybrid_is_refused_at_start(linear_attention_hybrid, tmp_path):
-    """vLLM's CPU build runs this model (bfloat16 only), also with its own prefix caching
-    (README); kvbackend refuses it with the state-layer reason alone: the state group's
-    block (``max_model_len`` tokens without vLLM's caching) is not a block-size mismatch."""
-    refusal = _start_refusal(linear_attention_hybrid, "bfloat16", tmp_path)
-    assert refusal.endswith(f"{REFUSED}: {STATE_LAYERS_REFUSAL}"), refusal
 
 
 def _kv_cache_config(num_layers: int = 2) -> KVCacheConfig:
@@ -207,11 +192,17 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
                         block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
     window = _spec(SlidingWindowSpec, sliding_window=64)
     assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), window)) == []
-    for mamba_block_size in (BLOCK_SIZE, 512):  # align mode; no vLLM caching: max_model_len
+    for mamba_block_size in (BLOCK_SIZE, 512):  # mode "none": one block of max_model_len
         mamba = MambaSpec(block_size=mamba_block_size, shapes=((4, 32),),
                           dtypes=(torch.float32,))
         assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), mamba)) == [
             STATE_LAYERS_REFUSAL]
+    for mamba_block_size, refused in ((BLOCK_SIZE, []), (2 * BLOCK_SIZE, [
+            "KV-cache groups with different block sizes (one logical block spans every group)"])):
+        mamba = MambaSpec(block_size=mamba_block_size, shapes=((4, 32),),
+                          dtypes=(torch.float32,), mamba_cache_mode="align")
+        assert unsupported_features(
+            config, _groups_config(_spec(FullAttentionSpec), mamba)) == refused
     wide_window = _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64)
     assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), wide_window)) == [
         "KV-cache groups with different block sizes (one logical block spans every group)"]

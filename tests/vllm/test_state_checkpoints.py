@@ -1,0 +1,119 @@
+"""kvbackend's state checkpoints for Mamba / linear-attention hybrids.
+
+``StateCheckpoints`` against a plain model of it (hypothesis), then kvbackend's
+scheduler with vLLM's real scheduler (its "align"-mode chunk splitting included) on the
+``ContentWorker`` of ``async_harness.py`` with a state group: every request that resumes
+from a hit must find the state of exactly its prefix in the state block it copies from.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+
+from kvbackend.vllm.state_checkpoints import StateCheckpoints
+from tests.vllm.async_harness import AsyncHarness, async_config
+from tests.vllm.test_async_scheduling import HarnessMachine
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24  # physical: 12 logical blocks, one per group each
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["end", "forget"]),
+                              st.lists(st.integers(1, 9), min_size=1, max_size=5),
+                              st.integers(0, 24)), max_size=30),
+       unusable=st.sets(st.integers(1, 9)))
+def test_checkpoints_follow_step_ends_and_forget_reallocated_blocks(ops, unusable):
+    """A block is a checkpoint iff the last step that ended on its last token came after
+    it was last handed out; a hit ends on the longest usable one."""
+    checkpoints, model = StateCheckpoints(BLOCK_SIZE, 10), set()
+    for op, table, end in ops:
+        if op == "forget":
+            checkpoints.forget(table)
+            model -= set(table)
+        elif end <= len(table) * BLOCK_SIZE:
+            checkpoints.step_ended(table, end)
+            if end and end % BLOCK_SIZE == 0:
+                model.add(table[end // BLOCK_SIZE - 1])
+        checkpoints.check_invariants()
+    assert {b for b in range(10) if checkpoints.holds(b)} == model
+    table = ops[-1][1] if ops else [1]
+    usable = [n for n in range(1, len(table) + 1)
+              if table[n - 1] in model and table[n - 1] not in unusable]
+    assert checkpoints.longest_hit(table, unusable) == max(usable, default=0) * BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def state_config(tiny_model):
+    config = async_config(tiny_model, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+                          max_num_seqs=3)
+    config.scheduler_config.async_scheduling = False  # refused with state layers
+    # Every group keeps a request's blocks: the longest request must fit the 11 usable.
+    config.model_config.max_model_len = config.scheduler_config.max_model_len = 40
+    return config
+
+
+def test_a_request_admitted_in_the_step_that_writes_a_checkpoint_does_not_resume_from_it(
+        state_config):
+    """A's first chunk ends on its checkpoint at 8 (vLLM's "align" split); B, admitted in
+    the same step, shares those 8 tokens, but the workers copy B's state before the step
+    writes A's: B starts from nothing. Once that step ran, C resumes at 8."""
+    harness = AsyncHarness(state_config, num_blocks=NUM_BLOCKS, state_layers=True)
+    shared = list(range(1, 9))
+    harness.add("a", shared + [30, 31, 32], max_tokens=2)
+    harness.add("b", shared + [40, 41], max_tokens=2)
+    out = harness.schedule()
+    assert dict(out.num_scheduled_tokens) == {"a": 8, "b": 8}  # B: 8 of 10, from 0
+    harness.deliver()
+    harness.add("c", shared + [50, 51, 52], max_tokens=2)
+    out = harness.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "c" and new.num_computed_tokens == 8
+    harness.run_to_end()
+
+
+def test_a_block_handed_out_again_is_no_checkpoint_until_a_step_ends_on_it(state_config):
+    """A decoding request ends a step on each of its ten block boundaries, so every block
+    it leaves in the tree is a checkpoint. A 19-token prompt then gets blocks evicted from
+    it, and prefills 16 tokens in one chunk, ending on its fourth block only: a request
+    sharing its first 12 tokens has no checkpoint to resume from, whatever its blocks
+    held before."""
+    harness = AsyncHarness(state_config, num_blocks=NUM_BLOCKS, state_layers=True)
+    harness.add("decoder", [1, 2, 3], max_tokens=37)
+    harness.run_to_end()
+    manager = harness.scheduler.kv_cache_manager
+    decoded = list(harness.requests["decoder"].all_token_ids)
+    assert manager.cache.match(decoded).num_tokens == 39
+    long_prompt = list(range(10, 29))
+    harness.add("long", long_prompt, max_tokens=1)
+    out = harness.schedule()
+    assert dict(out.num_scheduled_tokens) == {"long": 16}
+    harness.deliver()
+    harness.run_to_end()
+    harness.add("sharer", long_prompt[:12] + [40, 41], max_tokens=1)
+    out = harness.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 0
+    harness.run_to_end()
+
+
+def test_kvbackend_state_checkpoints_stateful(state_config):
+    """Requests sharing prefixes in a pool of 12 blocks: chunks of up to four blocks (so
+    most blocks hold no checkpoint), evictions that hand checkpointed blocks out again,
+    aborts and preemptions."""
+
+    class StateMachine(HarnessMachine):
+        @initialize()
+        def start(self):
+            self.harness = AsyncHarness(state_config, num_blocks=NUM_BLOCKS,
+                                        state_layers=True)
+
+        @invariant()
+        def structures_are_consistent(self):
+            manager = self.harness.scheduler.kv_cache_manager
+            manager.cache.check_invariants()
+            manager.checkpoints.check_invariants()
+
+    StateMachine.TestCase().runTest()
