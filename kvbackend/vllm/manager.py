@@ -82,9 +82,11 @@ switch on for them, its hashing unused), whose workers keep a request's running
 state in the state block of the step's last token. A state block holds the state
 after exactly its last token only if a step ended there
 (``state_checkpoints.py``), so a hit ends on the longest such block of its
-match: whole blocks only (no partial hit, hence no copy-on-write), never on a
-block written in the current step (the workers copy a hit's state before the
-forward pass), and re-checked at admission. Every group keeps its blocks, as
+match: whole blocks only (no partial hit, hence no copy-on-write), re-checked at
+admission. A hit on a checkpoint the current step writes is not admitted in that
+step (``allocate_slots`` returns None, as vLLM's ``MambaManager`` does): the
+workers copy a hit's state before the forward pass, so the request resumes from it
+one step later. Every group keeps its blocks, as
 above: the state blocks of a long request stay, each holding a checkpoint or an
 intermediate state no hit reads. Tiers, other connectors, speculative decoding
 and async scheduling are refused with such models (``scheduler.py``).
@@ -276,8 +278,7 @@ class KVBackendManager(KVCacheManager):
             fallback = max(match.node.start, match.num_full_blocks * self.block_size)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=fallback)
         if self.checkpoints is not None:  # the state must resume from a checkpoint
-            resumable = self.checkpoints.longest_hit(
-                match.block_ids[: match.num_full_blocks], self._written_this_step)
+            resumable = self.checkpoints.longest_hit(match.block_ids[: match.num_full_blocks])
             if resumable != match.num_tokens:
                 match = self.cache.match(tokens, tracked.namespace, max_tokens=resumable)
         tracked.match = match
@@ -328,6 +329,8 @@ class KVBackendManager(KVCacheManager):
         seq = tracked.sequence
         if seq is None:
             match = self._admission_match(request, tracked, num_new_computed_tokens)
+            if self._checkpoint_written_this_step(match):
+                return None  # as vLLM: admitted next step, once the checkpoint is written
             needed = total if not full_sequence_must_fit else max(
                 total, min(request.num_tokens, self.max_model_len))
             if cdiv(needed, self.block_size) - match.num_full_blocks > headroom:
@@ -513,11 +516,17 @@ class KVBackendManager(KVCacheManager):
                                    f"cached tokens but only {match.num_tokens} are cached; "
                                    "this indicates a bug")
         if self.checkpoints is not None and hit and self.checkpoints.longest_hit(
-                match.block_ids[: match.num_full_blocks], self._written_this_step) != hit:
+                match.block_ids[: match.num_full_blocks]) != hit:
             raise RuntimeError(f"request {request.request_id}: the scheduler adopted {hit} "
                                "cached tokens, which do not end on a state checkpoint; this "
                                "indicates a bug")
         return match
+
+    def _checkpoint_written_this_step(self, match: PrefixMatch) -> bool:
+        """Whether ``match`` resumes from a state checkpoint the current step writes: the
+        workers copy a hit's state before the forward pass, so it is not there yet."""
+        return (self.checkpoints is not None and match.num_full_blocks > 0
+                and match.block_ids[match.num_full_blocks - 1] in self._written_this_step)
 
     def _explain_admission(self, request: Request, tracked: _TrackedRequest, match: PrefixMatch,
                            num_external_tokens: int) -> None:

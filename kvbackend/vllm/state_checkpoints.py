@@ -16,7 +16,8 @@ resume from.
 
 ``StateCheckpoints`` records these blocks by logical id (one logical block is
 one physical block per KV-cache group, ``block_groups.py``), and a hit of a
-hybrid model ends on the longest recorded boundary of its match.
+hybrid model ends on the longest recorded boundary of its match (the manager
+admits it only once the step writing that checkpoint has run).
 
 Invariants (``check_invariants``): every recorded block id is a valid logical
 id other than the null block 0; a block handed out again (newly allocated to a
@@ -26,7 +27,7 @@ that wrote the block's current state page.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class StateCheckpoints:
@@ -54,13 +55,11 @@ class StateCheckpoints:
     def holds(self, block_id: int) -> bool:
         return block_id in self._blocks
 
-    def longest_hit(self, full_block_ids: Sequence[int], unusable: Collection[int]) -> int:
+    def longest_hit(self, full_block_ids: Sequence[int]) -> int:
         """Tokens of the longest prefix of ``full_block_ids`` (a match's full blocks)
-        that ends on a recorded block outside ``unusable`` (blocks the current step
-        writes: a hit's state is copied before the forward pass). 0 if none."""
+        that ends on a recorded block; 0 if none."""
         for n in range(len(full_block_ids), 0, -1):
-            block_id = full_block_ids[n - 1]
-            if block_id in self._blocks and block_id not in unusable:
+            if full_block_ids[n - 1] in self._blocks:
                 return n * self.block_size
         return 0
 
