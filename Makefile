@@ -71,6 +71,7 @@ bench: $(BENCH_STAMP) $(SGL_STAMP)
 	    | tee $(REPORT)/bench_ttft.txt
 	set -o pipefail; $(PY) benchmarks/bench_agents.py --json $(REPORT)/bench_agents.json \
 	    | tee $(REPORT)/bench_agents.txt
+	set -o pipefail; $(PY) benchmarks/bench_hybrid.py | tee $(REPORT)/bench_hybrid.txt
 	set -o pipefail; $(SGL_PY) benchmarks/bench_sglang.py | tee $(REPORT)/bench_sglang.txt
 	$(PY) benchmarks/report.py $(REPORT)
 

@@ -83,7 +83,9 @@ state in the state block of the step's last token. A state block holds the state
 after exactly its last token only if a step ended there
 (``state_checkpoints.py``), so a hit ends on the longest such block of its
 match: whole blocks only (no partial hit, hence no copy-on-write), re-checked at
-admission. A hit on a checkpoint the current step writes is not admitted in that
+admission. Where the match's whole blocks reach past that checkpoint, their end is
+returned as the shared-prefix junction, as vLLM does: its scheduler ends a chunk
+there, so the next request sharing the prefix finds a checkpoint. A hit on a checkpoint the current step writes is not admitted in that
 step (``allocate_slots`` returns None, as vLLM's ``MambaManager`` does): the
 workers copy a hit's state before the forward pass, so the request resumes from it
 one step later. Every group keeps its blocks, as
@@ -251,9 +253,10 @@ class KVBackendManager(KVCacheManager):
         # _publish_scheduled
         self._scheduled: dict[str, tuple[Request, int, int]] = {}
         # Mamba / linear-attention hybrids: hits end on a block holding a state checkpoint
-        self.checkpoints = StateCheckpoints(self.block_size, self.groups.num_logical) if any(
-            isinstance(group.kv_cache_spec, MambaSpec)
-            for group in self.kv_cache_config.kv_cache_groups) else None
+        self.state_groups = [g for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
+                             if isinstance(group.kv_cache_spec, MambaSpec)]
+        self.checkpoints = (StateCheckpoints(self.block_size, self.groups.num_logical)
+                            if self.state_groups else None)
         self.kv_events = kv_events  # set with --kv-events-config
         self.miss_log = (MissLog(backend_config.explain_misses, self.cache)
                          if backend_config.explain_misses else None)
@@ -262,8 +265,9 @@ class KVBackendManager(KVCacheManager):
 
     # ------------------------------------------------------------- lookups
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """Token-exact hit, capped at ``num_tokens - 1`` (and the prompt on first admission).
-        O(depth + new tokens + matched tokens), one more match per same-step fallback."""
+        """Token-exact hit, capped at ``num_tokens - 1`` (and the prompt on first admission),
+        and for a hybrid the shared-prefix junction (else 0). O(depth + new tokens +
+        matched tokens), one more match per same-step fallback."""
         self._publish_scheduled()
         tracked = self._track(request)
         if not tracked.cacheable or not self.prefix_cache_lookup_enabled(request):
@@ -277,12 +281,18 @@ class KVBackendManager(KVCacheManager):
             # A node higher on the path may hold its own, older copy of that block.
             fallback = max(match.node.start, match.num_full_blocks * self.block_size)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=fallback)
+        junction = 0
         if self.checkpoints is not None:  # the state must resume from a checkpoint
             resumable = self.checkpoints.longest_hit(match.block_ids[: match.num_full_blocks])
             if resumable != match.num_tokens:
+                # A shared prefix whose end holds no state: vLLM's scheduler ends a chunk
+                # on its last whole block, which then holds one for the next sibling.
+                shared = match.num_full_blocks * self.block_size
+                junction = shared if shared > resumable else 0
                 match = self.cache.match(tokens, tracked.namespace, max_tokens=resumable)
         tracked.match = match
-        return self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens, 0
+        return (self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens,
+                junction)
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens under the request's locked node. O(1)."""
@@ -465,8 +475,11 @@ class KVBackendManager(KVCacheManager):
         its forward pass (their source blocks stay held until the next step starts).
         O(copies * groups), plus ``_publish_scheduled``'s."""
         self._publish_scheduled()
-        copies = self.cache.take_block_copies()
-        return self.groups.copies((c.src, c.dst) for c in copies), []
+        copies = self.groups.copies((c.src, c.dst) for c in self.cache.take_block_copies())
+        if self.checkpoints is not None:
+            copies += [KVCacheBlockCopy(self.groups.physical(src, g), self.groups.physical(dst, g))
+                       for src, dst in self.checkpoints.take_copies() for g in self.state_groups]
+        return copies, []
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` for the
@@ -491,6 +504,8 @@ class KVBackendManager(KVCacheManager):
                                "step were never published; this indicates a bug")
         super().new_step_starts()
         self.cache.complete_block_copies()  # the previous step, and its copies, have run
+        if self.checkpoints is not None:
+            self.checkpoints.step_starts()
         self._written_this_step.clear()
 
     # -------------------------------------------------------------- helpers
@@ -546,9 +561,26 @@ class KVBackendManager(KVCacheManager):
         for request, num_tokens, end in self._scheduled.values():
             tracked = self._requests[request.request_id]
             self._publish(request, tracked, num_tokens)
-            if self.checkpoints is not None and end == num_tokens:
-                self.checkpoints.step_ended(tracked.sequence.block_ids, end)
+            if self.checkpoints is not None and end == num_tokens and end % self.block_size == 0:
+                self._checkpoint_written(request, tracked, end)
         self._scheduled.clear()
+
+    def _checkpoint_written(self, request: Request, tracked: _TrackedRequest, end: int) -> None:
+        """A step of ``request`` ends on block boundary ``end``: its block there holds a
+        checkpoint, and so will the block the tree lists for those tokens, if another
+        (a sibling computed them first), after a copy next step; hits on it wait for
+        that step. O(depth + end)."""
+        index = end // self.block_size - 1
+        own = tracked.sequence.block_ids[index]
+        self.checkpoints.add(own)
+        if not tracked.cacheable:
+            return
+        listed = self.cache.match(tracked.tokens.sync(request.all_token_ids)[:end],
+                                  tracked.namespace, touch=False)
+        shared = listed.block_ids[index] if listed.num_full_blocks > index else own
+        if shared != own and not self.checkpoints.holds(shared):
+            self.checkpoints.copy_to(own, shared)
+            self._written_this_step.add(shared)
 
     def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,
                  force: bool = False) -> None:

@@ -17,12 +17,17 @@ resume from.
 ``StateCheckpoints`` records these blocks by logical id (one logical block is
 one physical block per KV-cache group, ``block_groups.py``), and a hit of a
 hybrid model ends on the longest recorded boundary of its match (the manager
-admits it only once the step writing that checkpoint has run).
+admits it only once the step writing that checkpoint has run). When the tree
+lists another block for the same tokens (a sibling computed them first, with no
+step ending there), the checkpoint is copied into that block at the start of the
+next step, once the step that writes it has run (``copy_to``): no step writes a
+full tree block's state page otherwise.
 
 Invariants (``check_invariants``): every recorded block id is a valid logical
 id other than the null block 0; a block handed out again (newly allocated to a
-request) is no longer recorded (``forget``), so a record always names the step
-that wrote the block's current state page.
+request) is no longer recorded, nor the destination of a pending copy
+(``forget``), so a record always names the step, or the copy, that wrote the
+block's current state page.
 """
 
 from __future__ import annotations
@@ -38,19 +43,41 @@ class StateCheckpoints:
         self.block_size = block_size
         self.num_logical_blocks = num_logical_blocks
         self._blocks: set[int] = set()
+        self._copies_next: list[tuple[int, int]] = []  # (src, dst), due next step
+        self._copies_due: list[tuple[int, int]] = []  # due in the current step
 
-    def step_ended(self, block_ids: Sequence[int], end: int) -> None:
-        """A step of the request with block table ``block_ids`` ended after token
-        ``end``; on a block boundary its last block now holds a checkpoint."""
-        if end > 0 and end % self.block_size == 0:
-            self._blocks.add(block_ids[end // self.block_size - 1])
+    def add(self, block_id: int) -> None:
+        """A step ending on ``block_id``'s last token was scheduled."""
+        self._blocks.add(block_id)
+
+    def copy_to(self, src: int, dst: int) -> None:
+        """``dst`` holds ``src``'s checkpoint once the next step's copies ran (``src`` is
+        written by the current one)."""
+        self._copies_next.append((src, dst))
+        self._blocks.add(dst)
+
+    def step_starts(self) -> None:
+        """The previous step ran: the copies it waited for are due in this one."""
+        self._copies_due += self._copies_next
+        self._copies_next = []
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) state copies for the worker to run before this step's forward
+        pass."""
+        due, self._copies_due = self._copies_due, []
+        return due
 
     def forget(self, block_ids: Iterable[int]) -> None:
         """``block_ids`` were handed out again: their state pages will be rewritten."""
-        self._blocks.difference_update(block_ids)
+        gone = set(block_ids)
+        self._blocks -= gone
+        self._copies_next = [c for c in self._copies_next if c[1] not in gone]
+        self._copies_due = [c for c in self._copies_due if c[1] not in gone]
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._copies_next.clear()
+        self._copies_due.clear()
 
     def holds(self, block_id: int) -> bool:
         return block_id in self._blocks
@@ -67,3 +94,6 @@ class StateCheckpoints:
         bad = [b for b in self._blocks if not 0 < b < self.num_logical_blocks]
         if bad:
             raise AssertionError(f"checkpoints name invalid logical blocks {sorted(bad)}")
+        unmarked = [d for _, d in self._copies_next + self._copies_due if d not in self._blocks]
+        if unmarked:
+            raise AssertionError(f"copy destinations {unmarked} are not recorded")

@@ -177,6 +177,8 @@ class ContentWorker:
         bs = self.block_size
         for copy in out.kv_cache_block_copies or ():
             self.kv[:, copy.dst_block_id] = self.kv[:, copy.src_block_id]
+            if self.states is not None:  # a state group's block: its state moves too
+                self.states[copy.dst_block_id] = self.states.get(copy.src_block_id, 0)
         if self.states is not None:
             self._advance_states(out, starts)
         connector, failed = self.connector, set()

@@ -32,10 +32,9 @@ def test_checkpoints_follow_step_ends_and_forget_reallocated_blocks(ops):
         if op == "forget":
             checkpoints.forget(table)
             model -= set(table)
-        elif end <= len(table) * BLOCK_SIZE:
-            checkpoints.step_ended(table, end)
-            if end and end % BLOCK_SIZE == 0:
-                model.add(table[end // BLOCK_SIZE - 1])
+        elif end and end % BLOCK_SIZE == 0 and end <= len(table) * BLOCK_SIZE:
+            checkpoints.add(table[end // BLOCK_SIZE - 1])
+            model.add(table[end // BLOCK_SIZE - 1])
         checkpoints.check_invariants()
     assert {b for b in range(10) if checkpoints.holds(b)} == model
     table = ops[-1][1] if ops else [1]
@@ -91,6 +90,24 @@ def test_a_block_handed_out_again_is_no_checkpoint_until_a_step_ends_on_it(state
     out = harness.schedule()
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == 0
+    harness.run_to_end()
+
+
+def test_a_shared_prefix_without_a_checkpoint_gets_one_at_its_junction(state_config):
+    """A prefills 16 tokens in one chunk: no checkpoint at 8. B shares A's first 10
+    tokens; kvbackend names its junction (8, the shared whole blocks) and vLLM's scheduler
+    ends B's first chunk there, so C, sharing the same 10 tokens, resumes at 8."""
+    harness = AsyncHarness(state_config, num_blocks=NUM_BLOCKS, state_layers=True)
+    shared = list(range(1, 11))
+    harness.add("a", shared + list(range(30, 38)), max_tokens=1)
+    harness.run_to_end()
+    harness.add("b", shared + [40, 41, 42, 43, 44], max_tokens=1)
+    out = harness.schedule()
+    assert dict(out.num_scheduled_tokens) == {"b": 8}
+    harness.run_to_end()
+    harness.add("c", shared + [50, 51, 52], max_tokens=1)
+    out = harness.schedule()
+    assert {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs} == {"c": 8}
     harness.run_to_end()
 
 
