@@ -83,12 +83,14 @@ state in the state block of the step's last token. A state block holds the state
 after exactly its last token only if a step ended there
 (``state_checkpoints.py``), so a hit ends on the longest such block of its
 match: whole blocks only (no partial hit, hence no copy-on-write), re-checked at
-admission. Where the match's whole blocks reach past that checkpoint, their end is
-returned as the shared-prefix junction, as vLLM does: its scheduler ends a chunk
-there, so the next request sharing the prefix finds a checkpoint. A hit on a checkpoint the current step writes is not admitted in that
+admission. A hit on a checkpoint the current step writes is not admitted in that
 step (``allocate_slots`` returns None, as vLLM's ``MambaManager`` does): the
-workers copy a hit's state before the forward pass, so the request resumes from it
-one step later. Every group keeps its blocks, as
+workers copy a hit's state before the forward pass, so the request resumes from
+it one step later. Where the match's whole blocks reach past its checkpoint,
+their end is returned as the shared-prefix junction, as vLLM does: its
+scheduler ends a chunk there, and the state written there is copied next step
+into the block the tree lists for those tokens (a sibling's), so the next
+request sharing the prefix resumes from it. Every group keeps its blocks, as
 above: the state blocks of a long request stay, each holding a checkpoint or an
 intermediate state no hit reads. Tiers, other connectors, speculative decoding
 and async scheduling are refused with such models (``scheduler.py``).
@@ -472,12 +474,13 @@ class KVBackendManager(KVCacheManager):
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """The end of a step: its publishes, then the copies for the worker to run before
-        its forward pass (their source blocks stay held until the next step starts).
-        O(copies * groups), plus ``_publish_scheduled``'s."""
+        its forward pass (their source blocks stay held until the next step starts), and
+        the state checkpoints due. O(copies * groups), plus ``_publish_scheduled``'s."""
         self._publish_scheduled()
         copies = self.groups.copies((c.src, c.dst) for c in self.cache.take_block_copies())
         if self.checkpoints is not None:
-            copies += [KVCacheBlockCopy(self.groups.physical(src, g), self.groups.physical(dst, g))
+            physical = self.groups.physical
+            copies += [KVCacheBlockCopy(physical(src, g), physical(dst, g))
                        for src, dst in self.checkpoints.take_copies() for g in self.state_groups]
         return copies, []
 
