@@ -92,8 +92,8 @@ scheduler ends a chunk there, and the state written there is copied next step
 into the block the tree lists for those tokens (a sibling's), so the next
 request sharing the prefix resumes from it. Every group keeps its blocks, as
 above: the state blocks of a long request stay, each holding a checkpoint or an
-intermediate state no hit reads. Tiers, other connectors, speculative decoding
-and async scheduling are refused with such models (``scheduler.py``).
+intermediate state no hit reads. Tiers, other connectors and speculative decoding
+are refused with such models (``scheduler.py``); async scheduling is served (below).
 
 Async scheduling (``KVBackendAsyncScheduler``): step N+1 is scheduled while
 step N runs, so ``num_computed_tokens`` counts tokens whose step has not run
@@ -132,6 +132,11 @@ attention that reads it. Hence:
   included, is in (one step later than a synchronous load). ``TierPlanner``
   keeps the loads of every step in flight, so step N's failure report still
   takes a failed block out of its host mirror after step N+1 was planned.
+- *state checkpoints* (hybrids): a block holds one once the step ending on it
+  ran, so a hit on it waits only while *that* step is being scheduled (a step N+1
+  hit on step N's checkpoint is copied after step N ran). A decode step's end is
+  recorded when it is scheduled, before its last token is sampled: the state
+  written there is that of whichever token it is, published once it arrives.
 
 ``tests/vllm/test_async_scheduling.py`` checks every read of every step against
 the token prefix its slot holds, and, with host and disk tiers whose files are
@@ -564,19 +569,23 @@ class KVBackendManager(KVCacheManager):
         for request, num_tokens, end in self._scheduled.values():
             tracked = self._requests[request.request_id]
             self._publish(request, tracked, num_tokens)
-            if self.checkpoints is not None and end == num_tokens and end % self.block_size == 0:
-                self._checkpoint_written(request, tracked, end)
+            if self.checkpoints is not None and end % self.block_size == 0:
+                self._checkpoint_written(request, tracked, end, known=end == num_tokens)
         self._scheduled.clear()
 
-    def _checkpoint_written(self, request: Request, tracked: _TrackedRequest, end: int) -> None:
+    def _checkpoint_written(self, request: Request, tracked: _TrackedRequest, end: int,
+                            known: bool) -> None:
         """A step of ``request`` ends on block boundary ``end``: its block there holds a
         checkpoint, and so will the block the tree lists for those tokens, if another
         (a sibling computed them first), after a copy next step; hits on it wait for
-        that step. O(depth + end)."""
+        that step. ``known``: the ids of those tokens are (under async scheduling the
+        last one of a decode step is not sampled yet: the block then holds a checkpoint
+        for whichever token it is, published once sampled, and no sibling's block is
+        looked up). O(depth + end)."""
         index = end // self.block_size - 1
         own = tracked.sequence.block_ids[index]
         self.checkpoints.add(own)
-        if not tracked.cacheable:
+        if not (tracked.cacheable and known):
             return
         listed = self.cache.match(tracked.tokens.sync(request.all_token_ids)[:end],
                                   tracked.namespace, touch=False)

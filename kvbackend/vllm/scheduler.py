@@ -82,8 +82,6 @@ def unsupported_features(config: VllmConfig,
         STATE_LAYERS_REFUSAL: kv_cache_config is not None and any(
             not _is_token_kv(g.kv_cache_spec) and not _is_checkpointed_state(g.kv_cache_spec)
             for g in kv_cache_config.kv_cache_groups),
-        "Mamba / linear-attention hybrids together with async scheduling (to check on a "
-        "GPU; pass --no-async-scheduling)": states and bool(sched.async_scheduling),
         "Mamba / linear-attention hybrids together with speculative decoding (vLLM's "
         "speculative state blocks)": states and spec is not None,
         "Mamba / linear-attention hybrids together with kvbackend's tiers or another KV "

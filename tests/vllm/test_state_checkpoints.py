@@ -2,8 +2,9 @@
 
 ``StateCheckpoints`` against a plain model of it (hypothesis), then kvbackend's
 scheduler with vLLM's real scheduler (its "align"-mode chunk splitting included) on the
-``ContentWorker`` of ``async_harness.py`` with a state group: every request that resumes
-from a hit must find the state of exactly its prefix in the state block it copies from.
+``ContentWorker`` of ``async_harness.py`` with a state group, scheduling synchronously and
+asynchronously: every request that resumes from a hit must find the state of exactly its
+prefix in the state block it copies from.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def test_checkpoints_follow_step_ends_and_forget_reallocated_blocks(ops):
     assert checkpoints.longest_hit(table) == max(ends, default=0) * BLOCK_SIZE
 
 
-@pytest.fixture(scope="module")
-def state_config(tiny_model):
+@pytest.fixture(scope="module", params=["sync", "async"])
+def state_config(tiny_model, request):
     config = async_config(tiny_model, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
                           max_num_seqs=3)
-    config.scheduler_config.async_scheduling = False  # refused with state layers
+    config.scheduler_config.async_scheduling = request.param == "async"
     # Every group keeps a request's blocks: the longest request must fit the 11 usable.
     config.model_config.max_model_len = config.scheduler_config.max_model_len = 40
     return config
@@ -108,6 +109,21 @@ def test_a_shared_prefix_without_a_checkpoint_gets_one_at_its_junction(state_con
     harness.add("c", shared + [50, 51, 52], max_tokens=1)
     out = harness.schedule()
     assert {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs} == {"c": 8}
+    harness.run_to_end()
+
+
+def test_a_conversation_resumes_from_the_boundaries_its_decode_steps_ended_on(state_config):
+    """A decode step ends on each block boundary it reaches; under async scheduling the
+    block's last token is not sampled when the step is scheduled. The next turn, sent
+    with the decoded tokens, still resumes at the last boundary they reach (12)."""
+    harness = AsyncHarness(state_config, num_blocks=NUM_BLOCKS, state_layers=True)
+    harness.add("turn1", [1, 2, 3], max_tokens=11)
+    harness.run_to_end()
+    decoded = list(harness.requests["turn1"].all_token_ids)
+    harness.add("turn2", decoded + [40, 41], max_tokens=1)
+    out = harness.schedule()
+    assert {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs} == {
+        "turn2": 12}
     harness.run_to_end()
 
 

@@ -192,8 +192,16 @@ def _hybrid_config(mode: str = "align") -> KVCacheConfig:
         KVCacheGroupSpec(["model.layers.1.self_attn.attn"], attention)])
 
 
+def test_hybrids_are_served_with_async_scheduling(qwen3_next):
+    """The CPU build turns async scheduling off: set here as on a GPU
+    (``test_state_checkpoints.py`` drives it on vLLM's real scheduler)."""
+    config = EngineArgs(model=qwen3_next, dtype="bfloat16", max_model_len=2048,
+                        **engine_kwargs()).create_engine_config()
+    config.scheduler_config.async_scheduling = True
+    assert unsupported_features(config, _hybrid_config()) == []
+
+
 @pytest.mark.parametrize("extra, reason", [
-    ({}, "together with async scheduling"),  # the CPU build turns it off: set below
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                               "prompt_lookup_max": 3}), "together with speculative decoding"),
     (engine_kwargs(host_cache_gb=0.01), "together with kvbackend's tiers or another KV"),
@@ -201,7 +209,6 @@ def _hybrid_config(mode: str = "align") -> KVCacheConfig:
 def test_what_hybrids_are_not_served_with_is_refused(qwen3_next, extra, reason):
     config = EngineArgs(model=qwen3_next, dtype="bfloat16", max_model_len=2048,
                         **{**engine_kwargs(), **extra}).create_engine_config()
-    config.scheduler_config.async_scheduling = not extra
     refused = unsupported_features(config, _hybrid_config())
     assert len(refused) == 1 and reason in refused[0], refused
     assert unsupported_features(config, _hybrid_config("none"))[0] == STATE_LAYERS_REFUSAL
