@@ -10,13 +10,19 @@ kept by block id, so the next block's parent hash is one dict read. Like vLLM,
 kvbackend evicts on demand, when it hands blocks out again: a block that comes
 back from the pool while still announced is announced removed then. Partial
 blocks are never announced (vLLM hashes full blocks only). With several KV-cache
-groups (sliding-window and full attention) every event is published once per
-group, with its ``group_idx`` and the group's ``kv_cache_spec_kind`` /
-``kv_cache_spec_sliding_window`` (the manager's ``take_events``), as vLLM's
-prefix caching does. kvbackend keeps every group's blocks for the whole prefix and
-announces them all; vLLM announces only the blocks a sliding window still reaches
-when it caches them (an event whose ``token_ids`` span the whole range), so
-kvbackend's announcements cover vLLM's, hash for hash.
+groups every event is published once per group, with its ``group_idx`` and the
+group's ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` (``EventGroup``),
+as vLLM's prefix caching does:
+
+- attention groups (full and sliding-window): kvbackend keeps every group's blocks
+  for the whole prefix and announces them all; vLLM announces only the blocks a
+  sliding window still reaches when it caches them (an event whose ``token_ids``
+  span the whole range), so kvbackend's announcements cover vLLM's, hash for hash;
+- state groups (Mamba / linear attention, "align" mode): a block's state page is
+  announced only once it holds a state checkpoint (``state_written``: a step ended
+  on its last token, or a checkpoint is copied into it), as vLLM announces only
+  the state blocks it keeps (the others are its null block); removed with the
+  block.
 
 A tier copy reuses the device block's event: no second hash. The tiers are named
 as vLLM's offloading tiers name theirs (``Tier``): host ``medium`` "CPU"; disk
@@ -49,15 +55,18 @@ What is announced for each tier (the tier connector's ``_announce_tier_changes``
   removals at all.)
 
 Invariants (``check_invariants``): ``announced`` holds exactly the device blocks
-announced and not removed since; ``tier_copies`` exactly the (tier, key) copies
+announced and not removed since; ``state_announced`` those of them whose state
+page is announced too, and a checkpoint waiting for its block's announcement is
+of a block not announced (none of either without a state group); ``tier_copies`` exactly the (tier, key) copies
 announced and not removed since, each announced under its tier's medium and
 locality; a copy waits for at most one device block, and a waiting copy is not
 announced.
-Cost: O(1) per block stored, removed or copied; nothing at all on lookups.
+Cost: O(groups) per block stored, removed or copied; nothing at all on lookups.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -69,6 +78,9 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
     BlockHash, generate_block_hash_extra_keys, hash_block_tokens, init_none_hash,
     maybe_convert_block_hash, to_event_extra_keys,
+)
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig, MambaSpec, get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window,
 )
 from vllm.v1.request import Request
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -88,6 +100,25 @@ REMOTE = Tier(MEDIUM_STORAGE, Locality.REMOTE.value)  # as vLLM's object-store t
 _Copy = tuple[Tier, str]  # a tier copy: the tier and its key there
 
 
+class EventGroup(NamedTuple):
+    """A KV-cache group as its events name it."""
+
+    kind: str
+    sliding_window: int | None = None
+    holds_state: bool = False  # Mamba / linear attention: announced per checkpoint
+
+
+ONE_FULL_ATTENTION_GROUP = (EventGroup("full_attention"),)
+
+
+def event_groups(kv_cache_config: KVCacheConfig) -> tuple[EventGroup, ...]:
+    """The engine's KV-cache groups, in ``group_idx`` order."""
+    return tuple(EventGroup(get_kv_cache_spec_kind(group.kv_cache_spec).value,
+                            get_kv_cache_spec_sliding_window(group.kv_cache_spec),
+                            isinstance(group.kv_cache_spec, MambaSpec))
+                 for group in kv_cache_config.kv_cache_groups)
+
+
 class _Announced(NamedTuple):
     block_hash: BlockHash  # vLLM's raw hash: the parent of the next block's
     event: BlockStored
@@ -96,12 +127,16 @@ class _Announced(NamedTuple):
 class BlockEvents:
     """The events of one step, in the order they happened."""
 
-    def __init__(self, hash_algo: str, block_size: int) -> None:
+    def __init__(self, hash_algo: str, block_size: int,
+                 groups: Sequence[EventGroup] = ONE_FULL_ATTENTION_GROUP) -> None:
         self.hash_fn = get_hash_fn_by_name(hash_algo)
         if getattr(kv_cache_utils, "NONE_HASH", None) is None:
             init_none_hash(self.hash_fn)  # vLLM does it only with its own prefix caching on
         self.block_size = block_size
+        self.groups = tuple(groups)
         self.announced: dict[int, _Announced] = {}  # device block id -> its announcement
+        self.state_announced: set[int] = set()  # announced blocks whose state page is too
+        self._state_due: set[int] = set()  # checkpoints whose block is not announced yet
         self.tier_copies: dict[_Copy, BlockStored] = {}  # (tier, key) -> its announcement
         self._waiting: dict[int, dict[_Copy, None]] = {}  # device block id -> its copies
         self._waits_on: dict[_Copy, int] = {}  # copy -> the device block it waits for
@@ -129,10 +164,13 @@ class BlockEvents:
                 token_ids=block_tokens, block_size=bs,
                 lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
                 lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys([extra]),
-                group_idx=0, session_id=request.session_id)
-            self._events.append(event)
+                session_id=request.session_id)
+            self._emit(event)
             self.announced[block_id] = _Announced(block_hash, event)
             parent = block_hash
+            if block_id in self._state_due:
+                self._state_due.discard(block_id)
+                self._announce_state(block_id)
             for copy in self._waiting.pop(block_id, {}):
                 del self._waits_on[copy]
                 self._announce_copy(copy, event)
@@ -143,19 +181,37 @@ class BlockEvents:
         for block_id in block_ids:
             for copy in self._waiting.pop(block_id, {}):
                 del self._waits_on[copy]
+            self._state_due.discard(block_id)
             announced = self.announced.pop(block_id, None)
             if announced is not None:
-                self._events.append(BlockRemoved(
-                    block_hashes=announced.event.block_hashes, medium=MEDIUM_GPU,
-                    group_idx=0))
+                removed = BlockRemoved(block_hashes=announced.event.block_hashes,
+                                       medium=MEDIUM_GPU)
+                self._emit(removed)
+                if block_id in self.state_announced:
+                    self.state_announced.discard(block_id)
+                    self._emit(removed, state=True)
+
+    def state_written(self, block_id: int) -> None:
+        """Device block ``block_id``'s state page holds a state checkpoint (a step ends
+        on its last token, or the next step copies one into it): announced in the state
+        groups now, or once the block is announced. Announced already: nothing."""
+        if block_id in self.state_announced:
+            return
+        if block_id in self.announced:
+            self._announce_state(block_id)
+        else:
+            self._state_due.add(block_id)
 
     def cleared(self) -> None:
         """Every device block left the cache (``reset_prefix_cache``). vLLM's
         ``AllBlocksCleared`` names no medium, so the tier copies still held are
         announced again after it."""
         self.announced.clear()
+        self.state_announced.clear()
+        self._state_due.clear()
         self._events.append(AllBlocksCleared())
-        self._events.extend(self.tier_copies.values())
+        for copy in self.tier_copies.values():
+            self._emit(copy)
 
     # ----------------------------------------------------------------- tiers
     def tier_stored(self, tier: Tier, key: str, block_id: int) -> None:
@@ -196,8 +252,8 @@ class BlockEvents:
                 del self._waiting[block_id]
         event = self.tier_copies.pop(copy, None)
         if event is not None:
-            self._events.append(BlockRemoved(block_hashes=event.block_hashes, medium=tier.medium,
-                                             group_idx=0, locality=tier.locality))
+            self._emit(BlockRemoved(block_hashes=event.block_hashes, medium=tier.medium,
+                                    locality=tier.locality))
 
     def tier_cleared(self, tier: Tier) -> None:
         """``tier`` dropped every key. O(copies, all tiers)."""
@@ -221,6 +277,13 @@ class BlockEvents:
         both = set(waiting) & set(self.tier_copies)
         if both:
             raise RuntimeError(f"tier copies {sorted(both)[:3]} both wait and are announced")
+        if not self.state_announced <= self.announced.keys():
+            raise RuntimeError("a state page is announced for a block that is not")
+        if self._state_due & self.announced.keys():
+            raise RuntimeError("a checkpoint waits for a block announced already")
+        if (self.state_announced or self._state_due) and not any(
+                g.holds_state for g in self.groups):
+            raise RuntimeError("state pages tracked without a state group")
         for (tier, _key), event in self.tier_copies.items():
             if (event.medium, event.locality) != tier:
                 raise RuntimeError(f"a copy in {tier} was announced as ({event.medium}, "
@@ -235,7 +298,24 @@ class BlockEvents:
         tier = copy[0]
         announcement = msgspec.structs.replace(event, medium=tier.medium, locality=tier.locality)
         self.tier_copies[copy] = announcement
-        self._events.append(announcement)
+        self._emit(announcement)
+
+    def _announce_state(self, block_id: int) -> None:
+        self.state_announced.add(block_id)
+        self._emit(self.announced[block_id].event, state=True)
+
+    def _emit(self, event: BlockStored | BlockRemoved, state: bool = False) -> None:
+        """``event`` (of a logical block) once per attention group, or per state group.
+        O(groups)."""
+        for index, group in enumerate(self.groups):
+            if group.holds_state != state:
+                continue
+            if isinstance(event, BlockStored):
+                self._events.append(msgspec.structs.replace(
+                    event, group_idx=index, kv_cache_spec_kind=group.kind,
+                    kv_cache_spec_sliding_window=group.sliding_window))
+            else:
+                self._events.append(msgspec.structs.replace(event, group_idx=index))
 
     def _parent_hash(self, request: Request, tokens: Any, block_ids: list[int],
                      first: int) -> BlockHash | None:

@@ -195,8 +195,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -491,19 +490,9 @@ class KVBackendManager(KVCacheManager):
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` for the
-        device blocks and their tier copies (``--kv-events-config``); see
-        ``kv_events.py``. O(events * groups)."""
-        if self.kv_events is None:
-            return []
-        events = self.kv_events.take()
-        if self.groups.num_groups > 1:  # as vLLM: each group stores and removes its own
-            events = [per_group for event in events
-                      for per_group in _per_group(event, self.groups.num_groups)]
-        for event in events:
-            if isinstance(event, BlockStored):
-                kind, window = self.kv_cache_event_metadata[event.group_idx or 0]
-                event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = kind, window
-        return events
+        device blocks and their tier copies, one per KV-cache group they concern
+        (``--kv-events-config``); see ``kv_events.py``. O(events)."""
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def new_step_starts(self) -> None:
         """The previous step ran: release its copies' sources. O(copies + blocks written)."""
@@ -585,6 +574,8 @@ class KVBackendManager(KVCacheManager):
         index = end // self.block_size - 1
         own = tracked.sequence.block_ids[index]
         self.checkpoints.add(own)
+        if self.kv_events is not None:  # its state is announced once its block is
+            self.kv_events.state_written(own)
         if not (tracked.cacheable and known):
             return
         listed = self.cache.match(tracked.tokens.sync(request.all_token_ids)[:end],
@@ -592,6 +583,8 @@ class KVBackendManager(KVCacheManager):
         shared = listed.block_ids[index] if listed.num_full_blocks > index else own
         if shared != own and not self.checkpoints.holds(shared):
             self.checkpoints.copy_to(own, shared)
+            if self.kv_events is not None:
+                self.kv_events.state_written(shared)
             self._written_this_step.add(shared)
 
     def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,
@@ -622,9 +615,3 @@ class KVBackendManager(KVCacheManager):
     def _as_blocks(self, block_ids) -> KVCacheBlocks:
         return self.groups.as_blocks(block_ids) if block_ids else self.empty_kv_cache_blocks
 
-
-def _per_group(event: KVCacheEvent, num_groups: int) -> list[KVCacheEvent]:
-    """A store or removal of logical blocks, as one event per KV-cache group."""
-    if not isinstance(event, (BlockStored, BlockRemoved)):
-        return [event]
-    return [msgspec.structs.replace(event, group_idx=g) for g in range(num_groups)]

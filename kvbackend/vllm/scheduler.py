@@ -24,7 +24,7 @@ from vllm.v1.request import Request
 
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
 from kvbackend.vllm.connectors import child_configs, connector_refusals, is_tier_connector
-from kvbackend.vllm.kv_events import BlockEvents
+from kvbackend.vllm.kv_events import BlockEvents, event_groups
 from kvbackend.vllm.manager import KVBackendManager
 
 
@@ -149,8 +149,9 @@ class KVBackendScheduler(Scheduler):
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
-            kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo,
-                                        self.block_size) if self.enable_kv_cache_events else None,
+            kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo, self.block_size,
+                                  event_groups(self.kv_cache_config))
+            if self.enable_kv_cache_events else None,
         )
         if self.connector is not None:  # kvbackend's tiers and/or a connector checked above
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)

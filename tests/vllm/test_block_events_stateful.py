@@ -1,7 +1,8 @@
 """``BlockEvents`` under any order of device stores and reuses, tier copies (host,
-disk, remote; disk-to-host prefetches), tier drops and resets: its invariants hold
-after every step, and a router that replays the events it published holds exactly
-what the device and each tier hold."""
+disk, remote; disk-to-host prefetches), tier drops and resets, and for a hybrid's
+state group state checkpoints: its invariants hold after every step, and a router
+that replays the events it published holds exactly what the device and each tier
+hold, in each KV-cache group."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from vllm import SamplingParams
 from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.request import Request
 
-from kvbackend.vllm.kv_events import DISK, HOST, REMOTE, BlockEvents
+from kvbackend.vllm.kv_events import DISK, HOST, REMOTE, BlockEvents, EventGroup
 from tests.vllm.test_kv_events import held_by_tier
 
 BLOCK_SIZE = 4
@@ -23,14 +24,16 @@ tiers = st.sampled_from([HOST, DISK, REMOTE])
 class BlockEventsMachine(RuleBasedStateMachine):
     """One request fills device blocks ``0 .. NUM_BLOCKS - 1`` (block ``i`` holds the
     request's ``i``-th block of tokens, so it always hashes alike) and tier key
-    ``k<i>`` names block ``i``'s content."""
+    ``k<i>`` names block ``i``'s content. One full-attention group."""
+
+    groups = (EventGroup("full_attention"),)
 
     def __init__(self) -> None:
         super().__init__()
         tokens = list(range(10, 10 + BLOCK_SIZE * NUM_BLOCKS))
         self.request = Request("r", tokens, SamplingParams(max_tokens=1), None)
         self.tokens = self.request.all_token_ids
-        self.events = BlockEvents("sha256", BLOCK_SIZE)
+        self.events = BlockEvents("sha256", BLOCK_SIZE, self.groups)
         self.published: list = []
         self.hashes: dict[int, int] = {}  # block -> its announced hash, once seen
         self.device: set[int] = set()  # blocks announced, not reused since
@@ -91,11 +94,16 @@ class BlockEventsMachine(RuleBasedStateMachine):
         self.events.cleared()
         self.device.clear()
 
+    def in_group(self, group: int) -> list:
+        """The events published so far that concern KV-cache group ``group``."""
+        return [e for e in self.published if getattr(e, "group_idx", group) == group]
+
     @invariant()
     def router_sees_what_is_held(self) -> None:
         self.events.check_invariants()
         self._take()
-        held = held_by_tier(self.published)
+        assert all(getattr(e, "group_idx", 0) == 0 for e in self.published)
+        held = held_by_tier(self.in_group(0))
         assert held.get((MEDIUM_GPU, None), set()) == {self.hashes[b] for b in self.device}
         for tier in (HOST, DISK, REMOTE):
             assert held.get(tier, set()) == {self.hashes[b] for (t, b), shown
@@ -103,3 +111,47 @@ class BlockEventsMachine(RuleBasedStateMachine):
 
 
 TestBlockEvents = BlockEventsMachine.TestCase
+
+
+class HybridBlockEventsMachine(BlockEventsMachine):
+    """As above with a hybrid's two groups, attention (0) and state (1): a device
+    block's state page is announced in group 1 exactly while it holds a checkpoint
+    (written since the block was last handed out or cleared) and is announced."""
+
+    groups = (EventGroup("full_attention"), EventGroup("mamba", holds_state=True))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpoints: set[int] = set()
+
+    @rule(block=blocks)
+    def state_checkpoint(self, block: int) -> None:
+        self.events.state_written(block)
+        self.checkpoints.add(block)
+
+    @rule(block=blocks)
+    def device_reuse(self, block: int) -> None:
+        super().device_reuse(block)
+        self.checkpoints.discard(block)
+
+    @rule()
+    def device_clear(self) -> None:
+        super().device_clear()
+        self.checkpoints.clear()
+
+    @invariant()
+    def router_sees_what_is_held(self) -> None:
+        self.events.check_invariants()
+        self._take()
+        attention = held_by_tier(self.in_group(0))
+        assert attention.get((MEDIUM_GPU, None), set()) == {self.hashes[b] for b in self.device}
+        for tier in (HOST, DISK, REMOTE):  # tier copies hold attention KV only
+            assert attention.get(tier, set()) == {self.hashes[b] for (t, b), shown
+                                                  in self.copies.items() if t == tier and shown}
+        state = held_by_tier(self.in_group(1))
+        assert set(state) <= {(MEDIUM_GPU, None)}
+        assert state.get((MEDIUM_GPU, None), set()) == {
+            self.hashes[b] for b in self.device & self.checkpoints}
+
+
+TestHybridBlockEvents = HybridBlockEventsMachine.TestCase

@@ -20,7 +20,7 @@ from vllm.distributed.kv_events import (  # noqa: E402
 )
 
 from kvbackend.store.disk_tier import FORMAT_DIR  # noqa: E402
-from kvbackend.testing.tiny_model import build_tiny_gemma3  # noqa: E402
+from kvbackend.testing.tiny_model import build_tiny_gemma3, build_tiny_qwen3_next  # noqa: E402
 from kvbackend.vllm import engine_kwargs  # noqa: E402
 from kvbackend.vllm.kv_events import DISK, HOST  # noqa: E402
 
@@ -65,10 +65,11 @@ def published_events(model: str, mode: str, endpoint: str, run, **overrides) -> 
         shutdown(llm)
 
 
-def announced_blocks(model: str, mode: str, endpoint: str, **overrides) -> list[BlockStored]:
-    """Run the workload on a fresh engine; every ``BlockStored`` it published."""
+def announced_blocks(model: str, mode: str, endpoint: str, batches: list[list[list[int]]],
+                     **overrides) -> list[BlockStored]:
+    """Run ``batches`` on a fresh engine; every ``BlockStored`` it published."""
     def run(llm):
-        for batch in workload():
+        for batch in batches:
             llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     events = published_events(model, mode, endpoint, run, **overrides)
     return [e for e in events if isinstance(e, BlockStored)]
@@ -92,7 +93,7 @@ def by_hash(events: list[BlockStored]) -> dict:
     return blocks
 
 
-def check_covers(ours: dict, theirs: dict) -> None:
+def check_covers(ours: dict, theirs: dict, block_size: int = BLOCK_SIZE) -> None:
     """Every block vLLM announced (in every group) is announced by kvbackend alike
     (where vLLM's event names its tokens; else its hash and group spec)."""
     assert theirs, "vLLM's prefix caching announced nothing; the workload is wrong"
@@ -101,16 +102,18 @@ def check_covers(ours: dict, theirs: dict) -> None:
     for key, (parent, tokens, spec) in theirs.items():
         expected = (parent, tokens, spec) if tokens is not None else (*ours[key][:2], spec)
         assert ours[key] == expected
-    for (group, _), (parent, tokens, _) in ours.items():  # every chain starts at a first block
-        assert parent is None or (group, parent) in ours
-        assert len(tokens) == BLOCK_SIZE
+    hashes = {block_hash for _, block_hash in ours}
+    for parent, tokens, _ in ours.values():  # every chain starts at a first block
+        assert parent is None or parent in hashes  # (of another group: a state group's)
+        assert len(tokens) == block_size
 
 
 def test_kvbackend_announces_every_block_vllm_announces_with_its_hashes(tiny_model, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # one NONE_HASH seed in both engines
-    ours = by_hash(announced_blocks(tiny_model, "kvbackend", f"ipc://{tmp_path}/kvb"))
-    theirs = by_hash(announced_blocks(tiny_model, "vllm-apc", f"ipc://{tmp_path}/apc"))
+    ours = by_hash(announced_blocks(tiny_model, "kvbackend", f"ipc://{tmp_path}/kvb", workload()))
+    theirs = by_hash(announced_blocks(tiny_model, "vllm-apc", f"ipc://{tmp_path}/apc",
+                                      workload()))
     check_covers(ours, theirs)
 
 
@@ -125,12 +128,44 @@ def test_every_kv_cache_group_of_a_sliding_window_model_is_announced_as_vllm_doe
     window's blocks of the sliding-window groups, kvbackend every block of each."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     gemma = build_tiny_gemma3(str(tmp_path / "gemma3"))
-    ours = by_hash(announced_blocks(gemma, "kvbackend", f"ipc://{tmp_path}/kvb", **GEMMA3))
-    theirs = by_hash(announced_blocks(gemma, "vllm-apc", f"ipc://{tmp_path}/apc", **GEMMA3))
+    ours = by_hash(announced_blocks(gemma, "kvbackend", f"ipc://{tmp_path}/kvb", workload(),
+                                    **GEMMA3))
+    theirs = by_hash(announced_blocks(gemma, "vllm-apc", f"ipc://{tmp_path}/apc", workload(),
+                                      **GEMMA3))
     check_covers(ours, theirs)
     assert {group for group, _ in theirs} == {0, 1, 2}
     assert {spec for _, _, spec in theirs.values()} == {("sliding_window", 64),
                                                         ("full_attention", None)}
+
+
+STATE_BLOCK = 288  # the tiny Qwen3-Next's block, once vLLM fits a state page in one
+QWEN3_NEXT = dict(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=2048,
+                  max_num_batched_tokens=2048)
+
+
+def test_a_hybrids_state_group_is_announced_where_it_holds_checkpoints_as_vllm_does(
+        tmp_path, monkeypatch):
+    """The tiny Qwen3-Next (group 0: a Gated DeltaNet state in "align" mode; group 1:
+    full attention; 288-token blocks), prompts one at a time, each prefilled in one
+    step. vLLM keeps (and announces) a state block only where a step ended on its
+    last token; kvbackend announces a block's state page only there too, so its state
+    group's announcements are vLLM's, hash for hash: not the first block of a
+    two-block prompt. Its attention group covers vLLM's."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    model = build_tiny_qwen3_next(str(tmp_path / "qwen3-next"))
+    rng = random.Random(3)
+    system = random_tokens(rng, 2 * STATE_BLOCK + 40)
+    conversation = random_tokens(rng, STATE_BLOCK + 100)
+    prompts = [system + random_tokens(rng, 40), system + random_tokens(rng, 30),
+               conversation, conversation + random_tokens(rng, 300)]
+    ours, theirs = (by_hash(announced_blocks(model, mode, f"ipc://{tmp_path}/{mode}",
+                                             [[p] for p in prompts], **QWEN3_NEXT))
+                    for mode in ("kvbackend", "vllm-apc"))
+    check_covers(ours, theirs, STATE_BLOCK)
+    state = {key for key, (_, _, spec) in ours.items() if spec[0] == "mamba"}
+    assert state == {key for key, (_, _, spec) in theirs.items() if spec[0] == "mamba"}
+    assert {group for group, _ in state} == {0}
+    assert len(state) < len(ours) - len(state)  # not every attention block's state
 
 
 HOST_BLOCKS = 4
