@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvbackend.core import PrefixCache
 from kvbackend.core.miss_diagnosis import (
-    DIVERGED, EVICTED, FINAL_TOKEN, NEVER_SEEN, OTHER_NAMESPACE, REASONS, Admission, diagnose,
+    BLOCK_ALIGNMENT, DIVERGED, EVICTED, FINAL_TOKEN, NEVER_SEEN, NO_STATE_CHECKPOINT,
+    OTHER_NAMESPACE, REASONS, Admission, diagnose,
 )
 from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 
@@ -98,14 +99,18 @@ class DiagnosisMachine(RuleBasedStateMachine):
         self.cache.evict(num_blocks)
 
     @rule(prompt=PROMPTS, namespace=NAMESPACES, cut=st.integers(0, 5), tier=st.integers(0, 3),
-          same_step=st.booleans())
-    def explain(self, prompt, namespace, cut, tier, same_step):
+          same_step=st.booleans(), state=st.booleans())
+    def explain(self, prompt, namespace, cut, tier, same_step, state):
+        """``state``: a hybrid's admission (whole blocks, no tiers, no same-step cut)."""
         tokens = np.asarray(prompt, dtype=np.int64)
         tree, n = self.cache.tree, len(tokens)
         longest, _ = tree.lookup(tokens[: n - 1], namespace, touch=False)
         device = max(0, longest - cut)
         tier_hit = min(tier * BS, n - 1 - device) if device % BS == 0 else 0
-        admission = Admission(n - 1, device, tier_hit, same_step_cut=same_step)
+        if state:
+            device, tier_hit, same_step = device - device % BS, 0, False
+        admission = Admission(n - 1, device, tier_hit, same_step_cut=same_step,
+                              state_checkpoints=state)
         spans = diagnose(tree, self.seen, PrefixDigests(namespace, BS), tokens, namespace,
                          admission)
         pos = device + tier_hit
@@ -114,6 +119,10 @@ class DiagnosisMachine(RuleBasedStateMachine):
             pos = span.end
             if span.reason == FINAL_TOKEN:
                 assert span.end == n
+            if span.reason == NO_STATE_CHECKPOINT:  # whole blocks the tree holds
+                assert state and span.end % BS == 0 and span.end <= longest
+            if state and span.reason == BLOCK_ALIGNMENT:  # only the partial block after
+                assert span.end == longest and span.end - span.start < BS
             if span.reason in (NEVER_SEEN, EVICTED, DIVERGED):
                 assert longest <= span.start, "the tree holds what was called missing"
             if span.reason == DIVERGED:

@@ -8,6 +8,9 @@ into consecutive ``LostSpan``s, each with one reason:
     block_alignment  the device tree holds them, but the engine took whole blocks
                      only; or, after a tier hit, the partial block the tiers (which
                      store whole blocks) could not supply
+    no_state_checkpoint  the device tree holds these whole blocks, but a recurrent
+                     state (Mamba / linear-attention hybrids) resumes only from a
+                     block that a step ended on, and none of them is one
     evicted          published to the device tree once, gone since (``SeenPrefixes``)
     other_namespace  another namespace (cache salt / LoRA adapter) holds them, at
                      least a block's worth (a shared first token, e.g. BOS, is no news)
@@ -38,6 +41,7 @@ from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 
 SAME_STEP_BLOCK = "same_step_block"
 BLOCK_ALIGNMENT = "block_alignment"
+NO_STATE_CHECKPOINT = "no_state_checkpoint"
 EVICTED = "evicted"
 OTHER_NAMESPACE = "other_namespace"
 DIVERGED = "diverged"
@@ -45,7 +49,7 @@ NEVER_SEEN = "never_seen"
 FINAL_TOKEN = "final_token"
 LOOKUP_DISABLED = "lookup_disabled"
 NOT_CACHEABLE = "not_cacheable"
-REASONS = (SAME_STEP_BLOCK, BLOCK_ALIGNMENT, EVICTED, OTHER_NAMESPACE, DIVERGED, NEVER_SEEN,
+REASONS = (SAME_STEP_BLOCK, BLOCK_ALIGNMENT, NO_STATE_CHECKPOINT, EVICTED, OTHER_NAMESPACE, DIVERGED, NEVER_SEEN,
            FINAL_TOKEN, LOOKUP_DISABLED, NOT_CACHEABLE)
 
 WINDOW = 8  # tokens shown on each side of a divergence
@@ -73,7 +77,9 @@ class Admission:
     ``tier_hit``: tokens loaded from lower tiers right after them;
     ``same_step_cut``: the device hit was cut back because its partial block is
     written in this step; ``lookup``: False when the request skipped the lookup;
-    ``cacheable``: False for prompts that token ids do not name.
+    ``cacheable``: False for prompts that token ids do not name;
+    ``state_checkpoints``: the model keeps a recurrent state, so a device hit ends
+    on a whole block holding a state checkpoint.
     """
 
     limit: int
@@ -82,6 +88,7 @@ class Admission:
     same_step_cut: bool = False
     lookup: bool = True
     cacheable: bool = True
+    state_checkpoints: bool = False
 
 
 def diagnose(tree: RadixTree, seen: SeenPrefixes, digests: PrefixDigests, prompt: np.ndarray,
@@ -100,6 +107,10 @@ def diagnose(tree: RadixTree, seen: SeenPrefixes, digests: PrefixDigests, prompt
     spans: list[LostSpan] = []
     longest, node = tree.lookup(prompt[:limit], namespace, touch=False)
     pos = reused
+    whole = longest - longest % tree.block_size
+    if admission.state_checkpoints and whole > pos:  # whole blocks, none resumable
+        spans.append(LostSpan(NO_STATE_CHECKPOINT, pos, whole, {"tier": "device"}))
+        pos = whole
     if longest > pos:  # the tree held more than the engine took
         reason = SAME_STEP_BLOCK if admission.same_step_cut else BLOCK_ALIGNMENT
         spans.append(LostSpan(reason, pos, longest, {"tier": "device"}))

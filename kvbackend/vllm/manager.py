@@ -548,7 +548,8 @@ class KVBackendManager(KVCacheManager):
         admission = Admission(min(request.num_tokens - 1, request.num_prompt_tokens),
                               match.num_tokens, num_external_tokens,
                               lookup=self.prefix_cache_lookup_enabled(request),
-                              cacheable=tracked.cacheable)
+                              cacheable=tracked.cacheable,
+                              state_checkpoints=self.checkpoints is not None)
         self.miss_log.admitted(request.request_id, tracked.namespace, prompt, admission,
                                self._written_this_step)
 

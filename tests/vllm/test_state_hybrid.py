@@ -16,6 +16,7 @@ is one module-scoped engine.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -138,18 +139,21 @@ def test_a_batch_sharing_a_prefix_matches_vllm(kvb, ref, apc):
     assert min(g.num_cached_tokens for g in got) >= 2 * _block_size(kvb)
 
 
-def test_no_hit_on_a_block_no_step_ended_on(qwen3_next):
+def test_no_hit_on_a_block_no_step_ended_on(qwen3_next, tmp_path):
     """With a 2048-token budget the scheduler prefills a 1203-token prompt in two chunks,
     ending on 1152 and 1203: only the block ending on 1152 holds a state. A prompt that
-    shares 700 tokens covers two whole blocks, yet has no checkpoint to resume from.
-    vLLM's own prefix caching, with the same chunks, is the reference."""
+    shares 700 tokens covers two whole blocks, yet has no checkpoint to resume from, and
+    ``explain_misses`` says so. vLLM's own prefix caching, with the same chunks, is the
+    reference."""
     rng = random.Random(13)
     long_prompt = tokens(rng, 1203)
     prompts = [long_prompt, long_prompt[:700] + tokens(rng, 50),
                long_prompt[:1180] + tokens(rng, 30)]
+    misses = tmp_path / "misses.jsonl"
     runs = []
-    for mode in ("kvbackend", "vllm-apc"):
-        llm = next(_engine(qwen3_next, mode, max_num_batched_tokens=2048))
+    for mode, extra in (("kvbackend", engine_kwargs(explain_misses=str(misses))),
+                        ("vllm-apc", {})):
+        llm = next(_engine(qwen3_next, mode, max_num_batched_tokens=2048, **extra))
         try:
             runs.append([generate(llm, [p], GREEDY)[0] for p in prompts])
         finally:
@@ -158,6 +162,11 @@ def test_no_hit_on_a_block_no_step_ended_on(qwen3_next):
     assert _outputs(got) == _outputs(base)
     assert [g.num_cached_tokens for g in got] == [0, 0, 1152]
     assert [b.num_cached_tokens for b in base] == [0, 0, 1152]
+    records = [json.loads(line) for line in misses.read_text().splitlines()]
+    lost = [[(s["reason"], s["start"], s["end"]) for s in r["lost"]] for r in records]
+    assert lost[1][:3] == [("no_state_checkpoint", 0, 2 * STATE_BLOCK),
+                           ("block_alignment", 2 * STATE_BLOCK, 700), ("diverged", 700, 749)]
+    assert lost[2][0] == ("block_alignment", 1152, 1180)  # resumed from its checkpoint
 
 
 def test_memory_pressure_keeps_outputs_exact(qwen3_next, kvb, ref):
