@@ -108,9 +108,6 @@ class EventGroup(NamedTuple):
     holds_state: bool = False  # Mamba / linear attention: announced per checkpoint
 
 
-ONE_FULL_ATTENTION_GROUP = (EventGroup("full_attention"),)
-
-
 def event_groups(kv_cache_config: KVCacheConfig) -> tuple[EventGroup, ...]:
     """The engine's KV-cache groups, in ``group_idx`` order."""
     return tuple(EventGroup(get_kv_cache_spec_kind(group.kv_cache_spec).value,
@@ -125,10 +122,10 @@ class _Announced(NamedTuple):
 
 
 class BlockEvents:
-    """The events of one step, in the order they happened."""
+    """The events of one step, in the order they happened, each published once per
+    KV-cache group it concerns (``groups``: the engine's, ``event_groups``)."""
 
-    def __init__(self, hash_algo: str, block_size: int,
-                 groups: Sequence[EventGroup] = ONE_FULL_ATTENTION_GROUP) -> None:
+    def __init__(self, hash_algo: str, block_size: int, groups: Sequence[EventGroup]) -> None:
         self.hash_fn = get_hash_fn_by_name(hash_algo)
         if getattr(kv_cache_utils, "NONE_HASH", None) is None:
             init_none_hash(self.hash_fn)  # vLLM does it only with its own prefix caching on
