@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
+from vllm.config import KVEventsConfig
 
 from kvbackend.vllm.state_checkpoints import StateCheckpoints
 from tests.vllm.async_harness import AsyncHarness, async_config
@@ -48,6 +49,8 @@ def state_config(tiny_model, request):
     config = async_config(tiny_model, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
                           max_num_seqs=3)
     config.scheduler_config.async_scheduling = request.param == "async"
+    # KV events on (published nowhere): the stateful test checks what they announce.
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     # Every group keeps a request's blocks: the longest request must fit the 11 usable.
     config.model_config.max_model_len = config.scheduler_config.max_model_len = 40
     return config
@@ -143,5 +146,9 @@ def test_kvbackend_state_checkpoints_stateful(state_config):
             manager = self.harness.scheduler.kv_cache_manager
             manager.cache.check_invariants()
             manager.checkpoints.check_invariants()
+            events = manager.kv_events
+            events.check_invariants()  # a state page is announced iff its block holds one
+            assert events.state_announced == {
+                b for b in events.announced if manager.checkpoints.holds(b)}
 
     StateMachine.TestCase().runTest()
