@@ -78,7 +78,9 @@ from sortedcontainers import SortedList
 from kvbackend.core.radix_node import BLOCK_DTYPE, InsertResult, PrefixMatch, RadixNode
 from kvbackend.core.retention import Retention, RetentionBook
 from kvbackend.core.stats import NamespaceStats
-from kvbackend.core.token_ops import TOKEN_DTYPE, as_token_array, cdiv, common_prefix_length
+from kvbackend.core.token_ops import (
+    TOKEN_DTYPE, as_token_array, cdiv, common_prefix_length, load_compiled_loops,
+)
 
 
 class BlockRefs(Protocol):
@@ -124,6 +126,7 @@ class RadixTree:
         self._pinned_ends: Counter[int] = Counter()  # node_id -> pinned prefixes ending there
         self._num_held_blocks = 0
         self.stats: dict[Hashable, NamespaceStats] = {}
+        load_compiled_loops()
 
     # ----------------------------------------------------------------- queries
     def match(

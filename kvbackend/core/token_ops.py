@@ -50,6 +50,14 @@ def common_prefix_length(a: np.ndarray, a_start: int, b: np.ndarray, b_start: in
     return int(_common_prefix_length(a, a_start, b, b_start, limit))
 
 
+def load_compiled_loops() -> None:
+    """Load the compiled loops into this process now (from numba's on-disk cache, else
+    compiled: 0.2 s or more, once per process), so that the engine's start pays for it,
+    not the scheduling step of its first request."""
+    tokens = np.zeros(1, dtype=TOKEN_DTYPE)
+    common_prefix_length(tokens, 0, tokens, 0)
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints, ``b > 0``: the blocks of size ``b`` that ``a`` tokens
     fill. O(1)."""
