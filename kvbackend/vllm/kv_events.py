@@ -57,10 +57,10 @@ What is announced for each tier (the tier connector's ``_announce_tier_changes``
 Invariants (``check_invariants``): ``announced`` holds exactly the device blocks
 announced and not removed since; ``state_announced`` those of them whose state
 page is announced too, and a checkpoint waiting for its block's announcement is
-of a block not announced (none of either without a state group); ``tier_copies`` exactly the (tier, key) copies
-announced and not removed since, each announced under its tier's medium and
-locality; a copy waits for at most one device block, and a waiting copy is not
-announced.
+of a block not announced (none of either without a state group); ``tier_copies``
+exactly the (tier, key) copies announced and not removed since, each announced
+under its tier's medium and locality; a copy waits for at most one device block,
+and a waiting copy is not announced.
 Cost: O(groups) per block stored, removed or copied; nothing at all on lookups.
 """
 
