@@ -125,6 +125,60 @@ def test_a_hit_inside_a_long_entry_can_evict_that_entry_s_unmatched_tail():
     assert 10 <= cache.match(doc).num_tokens < len(doc)  # its tail was evicted, not its head
 
 
+def test_a_locked_path_gives_up_the_block_a_continuation_copied():
+    """A continuation of a prefix ending inside a block holds its own copy of that block,
+    so the prefix's own copy is redundant; a request locking that path must not be
+    refused for want of it. (It was: 8 blocks were needed of 9, the pool held 8 for the
+    cached path, one of them unneeded; on an idle engine nothing would ever free it.)"""
+    cache = PrefixCache(num_blocks=10, block_size=BS)  # 9 usable blocks
+    prefix = list(range(100, 110))  # 10 tokens: ends inside block 2
+    turn = prefix + list(range(200, 218))  # 28 tokens: hits 10, copies block 2
+    assert (run(cache, prefix), run(cache, turn)) == (0, 10)
+    assert cache.pool.num_free == 1  # 3 blocks of the prefix + 5 of the continuation
+    longer = turn + list(range(300, 308))  # 36 tokens, 9 blocks: 7 shared, 2 new
+    assert run(cache, longer) == 28
+    assert cache.match(longer).num_tokens == 36 and cache.match(prefix).num_tokens == 10
+
+
+def test_a_leaf_sharing_a_locked_parents_block_is_evicted_where_a_sibling_holds_a_copy():
+    """A branch that shares its parent's partial block frees nothing by itself; with a
+    sibling holding its own copy of that block, evicting it lets the parent take the
+    sibling's copy, which frees the block even while the parent is locked."""
+    cache = PrefixCache(num_blocks=10, block_size=BS)  # 9 usable blocks
+    branch = [1, 2, 3, 4, 5, 6, 11, 12]  # 2 blocks
+    turn = [1, 2, 3, 4, 5, 6] + list(range(200, 222))  # 28 tokens: hits 6, copies block 1
+    assert (run(cache, branch), run(cache, turn)) == (0, 6)
+    assert cache.pool.num_free == 1  # blocks 0-1 of the branch + 6 of the continuation
+    longer = turn + list(range(300, 308))  # 36 tokens, 9 blocks: 7 shared, 2 new
+    assert run(cache, longer) == 28
+    assert cache.match(branch).num_tokens == 6  # its own tail was evicted
+
+
+def test_a_grandchild_listing_the_block_counts_as_sharing_it(cache):
+    """x caches 5 tokens, y continues them with a copy of block 1, then x caches its own
+    continuation through y's node: x's leaf lists x's block 1, two levels below the node
+    that ends in it. Dropping that node's copy leaves the leaf the block's only lister,
+    and the locked (held) blocks stay counted exactly."""
+    tokens = list(range(100, 113))
+    x = cache.open_sequence(cache.match([]), len(tokens))
+    cache.cache(x, tokens[:5])
+    y_tokens = tokens[:6] + [7, 7, 7]
+    y = cache.open_sequence(cache.match(y_tokens), len(y_tokens))
+    cache.take_block_copies()
+    cache.complete_block_copies()
+    cache.cache(y, y_tokens)
+    cache.cache(x, tokens)  # through y's node at position 5, then x's block 1 again
+    reader = cache.open_sequence(cache.match(tokens), len(tokens))  # locks x's path
+    cache.check_invariants()
+    assert cache.drop_redundant_copies() == 0  # x's leaf still lists the block
+    cache.check_invariants()
+    for seq in (x, y, reader):
+        cache.release(seq)
+    cache.check_invariants()
+    assert cache.match(tokens).num_tokens == len(tokens)
+    assert cache.match(y_tokens).num_tokens == len(y_tokens)
+
+
 def test_fork_shares_full_blocks_and_copies_the_partial_one(cache):
     seq = cache.open_sequence(cache.match(list(range(6))), 6)
     child = cache.fork(seq)

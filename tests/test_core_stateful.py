@@ -151,6 +151,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert freed >= min(k, evictable)
         self.reconcile()
 
+    @rule()
+    def drop_redundant_copies(self):
+        """Nodes take their children's copies of the block they end inside: every slot
+        they list still holds its prefix, and no cached token goes."""
+        self.cache.tree.drop_redundant_copies()
+        self.reconcile(may_evict=False)
+
     @rule(data=st.data(), ns=NAMESPACES)
     def pin(self, data, ns):
         cached = sorted(self.resident.get(ns, ()))

@@ -144,6 +144,12 @@ class PrefixCache:
         See ``miss_diagnosis.diagnose`` (its complexity too)."""
         return diagnose(self.tree, seen, digests, prompt, namespace, admission)
 
+    def drop_redundant_copies(self) -> int:
+        """Blocks cached prefixes hold although their continuations copied them, freed
+        (``RadixTree.drop_redundant_copies``); no cached token is lost. Live sequences
+        are unaffected: they list their own blocks. O(candidates)."""
+        return self.tree.drop_redundant_copies()
+
     @property
     def num_allocatable_blocks(self) -> int:
         """Blocks that ``allocate`` can hand out now, evicting as needed. O(1)."""
@@ -166,7 +172,8 @@ class PrefixCache:
         matched prefix is locked (a node running past it is split), so the pool
         supplies the blocks whenever enough are allocatable outside that prefix.
         Complexity: O(depth + blocks + tokens of a split node). Returns None when the
-        pool cannot supply the blocks, changing nothing but that split.
+        pool cannot supply the blocks, changing nothing but that split (and which copy of
+        a block some nodes list: ``drop_redundant_copies``).
         """
         if not self.tree.is_current(match):
             raise ValueError("stale PrefixMatch: the cache changed since the match; match again")
@@ -179,13 +186,17 @@ class PrefixCache:
         # its unmatched tail stays evictable for the allocation below.
         node = self._node_ending_at(match.node, match.num_tokens)
         self.tree.lock(node)  # keeps the matched blocks out of eviction below
+        source = [match.block_ids[-1]] if match.num_partial_tokens else []
+        self.pool.ref(source, hold=True)  # the copy's: a node may drop its own (_allocate)
         new_blocks = self._allocate(num_new)
         if new_blocks is None:
+            self.pool.unref(source, hold=True)
             self.tree.unlock(node)
             return None
         self.pool.ref(shared, hold=True)
-        if match.num_partial_tokens:
-            self._order_copy(match.block_ids[-1], new_blocks[0], match.num_partial_tokens)
+        if source:
+            self._pending_copies.append(BlockCopy(source[0], new_blocks[0],
+                                                  match.num_partial_tokens))
         seq = Sequence(next(self._ids), node.namespace, shared + new_blocks, total, node,
                        match.num_tokens)
         self._sequences[seq.seq_id] = seq
@@ -321,6 +332,11 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- helpers
     def _allocate(self, n: int) -> list[int] | None:
+        """``n`` free blocks, evicting as needed. Where the free and evictable blocks fall
+        short, nodes whose continuations copied their last block give up their own copy
+        first (``drop_redundant_copies``, only then)."""
+        if n > self.num_allocatable_blocks:
+            self.drop_redundant_copies()
         if n > self.num_allocatable_blocks:
             return None
         if n > self.pool.num_free:

@@ -12,8 +12,10 @@ token-exact: the tree compares token ids, never hashes.
 A node that starts inside a block (B and C start at position 10, inside block 1)
 holds its own copy of that block, or shares its parent's: the copy is valid for
 positions [8, 10) too, because it was computed (or copied) by a sequence with the
-same tokens there. For the same reason an unlocked parent may drop its own copy
-for a child's when eviction would otherwise free nothing (``_borrow_boundary_block``).
+same tokens there. For the same reason a parent may drop its own copy for a
+child's (``_borrow_boundary_block``): when eviction would otherwise free nothing, and
+when the pool falls short while a locked path holds copies its continuations
+replaced (``drop_redundant_copies``).
 Reading a path (``path_block_ids``, ``match``) takes the deeper node's copy.
 
 A node's priority is that of the request that inserted its tokens, raised to the
@@ -59,6 +61,7 @@ Invariants (checked by ``check_invariants``):
       num_held_blocks is the number of distinct blocks listed by locked nodes
     * every pinned node is in the tree, locked at least once per ``pin`` call
       still held, and its path spells the pinned tokens
+    * every candidate of ``drop_redundant_copies`` is in the tree
     * all nodes under a root carry that root's namespace
 """
 
@@ -125,6 +128,8 @@ class RadixTree:
         self._pin_counts: Counter[tuple[Hashable, bytes]] = Counter()  # pin calls per key
         self._pinned_ends: Counter[int] = Counter()  # node_id -> pinned prefixes ending there
         self._num_held_blocks = 0
+        # node_id -> node that ends inside a block and whose child copied that block
+        self._copied_boundaries: dict[int, RadixNode] = {}
         self.stats: dict[Hashable, NamespaceStats] = {}
         load_compiled_loops()
 
@@ -484,6 +489,8 @@ class RadixTree:
         leaf = RadixNode(node.namespace, node, tail.copy(), pos, leaf_blocks, next(self._ids))
         leaf.priority = priority
         node.children[int(tail[0])] = leaf
+        if not boundary_is_own:  # the leaf's first block is its own copy of node's last
+            self._copied_boundaries[node.node_id] = node
         self._refresh(node)
         self._refresh(leaf)
         return leaf
@@ -510,6 +517,7 @@ class RadixTree:
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
         parent = leaf.parent
+        self._copied_boundaries.pop(leaf.node_id, None)
         self._num_retained_blocks -= self._retained_share(leaf)
         self._discard(leaf)
         for retention in self.retentions.move_end(leaf, parent):
@@ -527,24 +535,55 @@ class RadixTree:
 
         Each child of a node that ends inside a block starts in that block, and its
         first block is valid for the node's positions there too (module docstring).
-        So an unlocked node whose last block no child shares may use a child's copy
-        instead and drop its own: after a leaf that shared the node's block is
-        evicted, this is what actually frees a block. Returns the blocks freed. O(children).
+        So a node with a child that copied its last block may use that copy instead and
+        drop its own: after a leaf that shared the node's block is evicted, this is what
+        actually frees a block. A node locked on a path (``drop_redundant_copies``) may
+        do the same: its hold moves with the block, and the sequences locking it list
+        their own blocks. A single child sharing the node's block keeps it as its own
+        copy, which then is no longer held through the node (evictable once unlocked);
+        with two sharing it the node keeps its block. (A descendant that starts inside
+        the block below a copying child may list it too: it counts as sharing.)
+        Returns the blocks freed. O(nodes inside the block).
         """
-        if (node.is_root or node.lock_ref or not node.children
-                or node.end % self.block_size == 0):
+        if node.is_root or not node.children or node.end % self.block_size == 0:
             return 0
         own = node.block_ids[-1:].copy()
-        firsts = [child.block_ids[:1] for child in node.children.values()]
-        if any(first[0] == own[0] for first in firsts):
+        sharing = self._descendants_listing(node, int(own[0]))
+        copying = [child for child in node.children.values() if child.block_ids[0] != own[0]]
+        if not copying or len(sharing) > 1:
             return 0
-        donor = next(iter(node.children.values()))
-        retained_before = self._retained_share(node) + self._retained_share(donor)
-        self._blocks.ref(firsts[0], hold=False)
-        node.block_ids[-1] = firsts[0][0]
-        self._num_retained_blocks += (self._retained_share(node) + self._retained_share(donor)
-                                      - retained_before)
-        return self._blocks.unref(own, hold=False)
+        donor = max(copying, key=lambda child: child.lock_ref > 0)  # a held block if any
+        touched, held = [node, donor, *sharing], node.lock_ref > 0
+        retained_before = sum(map(self._retained_share, touched))
+        held_before = sum(map(self._held_share, touched))
+        self._blocks.ref(donor.block_ids[:1], hold=held)
+        node.block_ids[-1] = donor.block_ids[0]
+        self._num_retained_blocks += sum(map(self._retained_share, touched)) - retained_before
+        self._num_held_blocks += sum(map(self._held_share, touched)) - held_before
+        return self._blocks.unref(own, hold=held)
+
+    def _descendants_listing(self, node: RadixNode, block: int) -> list[RadixNode]:
+        """The nodes below ``node`` that start inside its last block and list ``block``
+        as their first. O(nodes inside that block)."""
+        block_end = (node.end // self.block_size + 1) * self.block_size
+        found, stack = [], list(node.children.values())
+        while stack:
+            child = stack.pop()
+            if child.block_ids[0] == block:
+                found.append(child)
+            if child.end < block_end:
+                stack.extend(child.children.values())
+        return found
+
+    def drop_redundant_copies(self) -> int:
+        """Every node ending inside a block that a child copied takes the child's copy
+        (``_borrow_boundary_block``), locked or not: such a node's own copy sits on a
+        locked path, or above a leaf, where eviction does not reach it. No cached token
+        is lost; blocks only a sharing leaf still lists become evictable. Returns the
+        blocks freed. O(candidates): the nodes a copying child was hung under since the
+        last call (one swap each: a second would hand the block back and forth)."""
+        candidates, self._copied_boundaries = self._copied_boundaries, {}
+        return sum(self._borrow_boundary_block(node) for node in candidates.values())
 
     def _frees_nothing(self, leaf: RadixNode) -> bool:
         """A leaf whose only block is the one it shares with a locked parent."""
@@ -562,6 +601,10 @@ class RadixTree:
         ancestors (the locked ones, the retained ones) it counts their distinct blocks;
         splits and in-place growth keep that sum exact. O(nodes inside its first block)."""
         return len(node.block_ids) - self._shares_first(node)
+
+    def _held_share(self, node: RadixNode) -> int:
+        """``node``'s part of ``num_held_blocks``. O(nodes inside its first block)."""
+        return self._path_share(node) if node.lock_ref else 0
 
     def _retained_share(self, node: RadixNode) -> int:
         """``node``'s part of ``num_retained_blocks``. O(nodes inside its first block)."""
@@ -679,6 +722,10 @@ class RadixTree:
             raise RuntimeError(f"evictable set {sorted(actual)} != unlocked leaves "
                                f"{sorted(expected_evictable)}")
         self._check_block_sharing()
+        for node in self._copied_boundaries.values():
+            if not self.is_attached(node):
+                raise RuntimeError(f"{node!r} is a drop_redundant_copies candidate but is "
+                                   "not in the tree")
         self._check_pins()
         self._check_retentions()
 

@@ -338,10 +338,11 @@ class KVBackendManager(KVCacheManager):
         computed = (request.num_computed_tokens + num_new_computed_tokens
                     + num_external_computed_tokens)
         total = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        headroom = self.cache.num_allocatable_blocks - reserved_blocks
+        margin = reserved_blocks  # blocks to leave allocatable
         waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if has_scheduled_reqs and waiting:
-            headroom -= self.watermark_blocks
+            margin += self.watermark_blocks
+        headroom = self.cache.num_allocatable_blocks - margin
         seq = tracked.sequence
         if seq is None:
             match = self._admission_match(request, tracked, num_new_computed_tokens)
@@ -362,7 +363,8 @@ class KVBackendManager(KVCacheManager):
             self.hit_tokens += match.num_tokens
             new_block_ids = seq.block_ids  # all of them are new to the request's table
         else:
-            if cdiv(total, self.block_size) - len(seq.block_ids) > headroom:
+            num_new = cdiv(total, self.block_size) - len(seq.block_ids)
+            if num_new > headroom and not self._room_after_dropping_copies(num_new, margin):
                 return None
             new_block_ids = allocated = self.cache.extend(seq, max(total, seq.num_tokens))
             if new_block_ids is None:
@@ -533,6 +535,15 @@ class KVBackendManager(KVCacheManager):
                                "cached tokens, which do not end on a state checkpoint; this "
                                "indicates a bug")
         return match
+
+    def _room_after_dropping_copies(self, num_blocks: int, margin: int) -> bool:
+        """Whether ``num_blocks`` fit (``margin`` kept) once cached prefixes free the
+        blocks their continuations copied (``PrefixCache.drop_redundant_copies``): a
+        request's own locked path may hold them, which would preempt it although its
+        blocks fit the pool. (At admission ``open_sequence`` drops them itself, after it
+        locked the match.) O(candidates)."""
+        self.cache.drop_redundant_copies()
+        return num_blocks <= self.cache.num_allocatable_blocks - margin
 
     def _checkpoint_written_this_step(self, match: PrefixMatch) -> bool:
         """Whether ``match`` resumes from a state checkpoint the current step writes: the

@@ -134,6 +134,24 @@ def test_async_scheduling_with_tiers_is_served_without_deferred_frees(config, tm
     assert harness.scheduler.connector.planner.all_loads_async
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_request_is_not_starved_by_blocks_its_own_cached_path_holds(config, mode):
+    """r2 continues r1's prompt, which ends inside a block that r2 copied (they are
+    admitted together); r0 branches off inside block 1. Alone at the end, r2 needs 8 of
+    the 9 blocks, while its cached path held 9: its own copies plus r1's block 2 and the
+    block r0's branch shares with the path. It was preempted, then never admitted again
+    (unfinished after 200 steps); the path now gives up the blocks its copies replace."""
+    chosen = copy.deepcopy(config)
+    chosen.scheduler_config.async_scheduling = mode == "async"
+    harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+    harness.add("r0", PREFIXES[1], max_tokens=1)
+    harness.add("r1", PREFIXES[0], max_tokens=1)
+    harness.add("r2", PREFIXES[0] + [0] * 8, max_tokens=12)
+    harness.run_to_end()
+    assert harness.requests["r2"].num_preemptions == 0
+    harness.scheduler.kv_cache_manager.cache.check_invariants()
+
+
 def test_a_shared_prefix_is_reused_under_async_scheduling(config):
     """B arrives while A's prefill is in flight and hits A's blocks (vLLM's own prefix
     caching would too), its partial block copied; the worker finds A's KV in them."""
