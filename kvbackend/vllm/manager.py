@@ -132,6 +132,18 @@ attention that reads it. Hence:
   included, is in (one step later than a synchronous load). ``TierPlanner``
   keeps the loads of every step in flight, so step N's failure report still
   takes a failed block out of its host mirror after step N+1 was planned.
+- *draft tokens* (speculative decoding with a draft model or ``ngram_gpu``, which
+  vLLM runs asynchronously): the scheduler counts a step's drafts as computed
+  until that step's output says how many were rejected, and the worker writes
+  the next step from where its KV is valid (before the rejections the scheduler
+  has not seen). Only known token ids are published, so every published position
+  holds KV a step scheduled no later than the current one writes: an accepted
+  draft's verification step, or for the last sampled token the next step that
+  runs the request (in flight, or this one: then it lies in this step's blocks).
+  A rejected draft's slot lies past every known token. The optimistic count only
+  widens the blocks allocated; the blocks it names as written this step may miss
+  the one the worker really starts in, but that block's known tokens were written
+  by earlier steps, so a partial hit copying them is valid.
 - *state checkpoints* (hybrids): a block holds one once the step ending on it
   ran, so a hit on it waits only while *that* step is being scheduled (a step N+1
   hit on step N's checkpoint is copied after step N ran). A decode step's end is

@@ -56,8 +56,6 @@ def unsupported_features(config: VllmConfig,
         "cache (EAGLE, MTP, DFlash, DSpark; n-gram, suffix, Medusa, MLP speculators and "
         "draft models are served)":
             spec is not None and spec.uses_draft_kv_cache() and not spec.uses_draft_model(),
-        "speculative decoding together with async scheduling (pass --no-async-scheduling)":
-            spec is not None and bool(sched.async_scheduling),
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode/prefill context parallelism": (
             parallel.decode_context_parallel_size > 1

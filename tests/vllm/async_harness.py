@@ -20,7 +20,10 @@ step's output, which here is ``POISON``, a token ``deliver`` refuses), so any hi
 a block that was not (yet) written, was overwritten by another request, or copied
 before it was written fails at once. Sampled tokens are a fixed function of
 (request, position), so the tokens the scheduler appends later are the ones the
-worker already used.
+worker already used. With speculative decoding a step's last positions are drafts,
+of which the worker accepts a random number (``seed``); a rejected draft's slot gets
+``GARBAGE`` and the worker continues from where its KV is valid, as vLLM's model
+runner does before the scheduler has seen the rejections.
 
 With ``state_layers`` the model also has a Mamba-style state group in vLLM's "align"
 mode, and the worker keeps its state blocks as ``preprocess_mamba`` does: before the
@@ -41,6 +44,7 @@ slot holds that prefix: no block of a failed load is ever published.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -61,17 +65,19 @@ from kvbackend.vllm.scheduler import KVBackendScheduler
 MAX_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling (no PP)
 VOCAB = 50
 POISON = VOCAB  # sampled from KV that failed to load: never a token the model samples
+GARBAGE = -1  # the KV of a rejected draft token: no prefix's
 NUM_KV_HEADS, HEAD_SIZE = 1, 8  # the synthetic KV cache: one layer "attn"
 
 
 def async_config(model: str, *, block_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int):
+                 max_num_seqs: int, speculative_config: dict | None = None):
     """A device-only kvbackend ``VllmConfig`` with async scheduling forced on (~20 s)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from kvbackend.vllm import engine_kwargs
 
     config = EngineArgs(model=model, dtype="float32", max_model_len=1024, enforce_eager=True,
+                        speculative_config=speculative_config,
                         **engine_kwargs()).create_engine_config()
     sched = config.scheduler_config
     sched.async_scheduling = True  # what vLLM picks on a GPU; the CPU platform turned it off
@@ -111,6 +117,9 @@ class _WorkerRequest:
     blocks: list[int] = field(default_factory=list)
     state_blocks: list[int] = field(default_factory=list)  # the state group's table
     prefix_ids: list[int] = field(default_factory=list)  # id of tokens[:p + 1] at p
+    # The first position whose KV the worker has not written validly. The scheduler's count
+    # runs ahead of it by the rejected drafts of steps whose output it had not seen yet.
+    next_position: int | None = None
 
 
 class ContentWorker:
@@ -118,8 +127,11 @@ class ContentWorker:
     ``connector``: the worker-role tier connector, or None."""
 
     def __init__(self, block_size: int, num_blocks: int, connector=None,
-                 state_layers: bool = False) -> None:
+                 state_layers: bool = False, accept=None, max_drafts: int = 0) -> None:
         self.block_size = block_size
+        # speculative decoding: (request, first draft's position, drafts) -> drafts accepted
+        self.accept, self.max_drafts = accept, max_drafts
+        self.drafts = self.accepted = 0  # draft tokens run, and kept
         # state block -> id of the prefix whose state it holds; request -> its state block
         self.states: dict[int, int] | None = {} if state_layers else None
         self.state_index: dict[str, int] = {}
@@ -147,12 +159,20 @@ class ContentWorker:
             ids.append(self.prefixes.extend(parent, self.token(request_id, len(ids))))
         return ids[position]
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], set[str],
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, tuple[int, int]], set[str],
                                                      KVConnectorOutput | None]:
-        """Run one step; returns the first position each scheduled request computed, the
-        requests that read a block whose synchronous load failed in this very step (vLLM
-        discards their output: they sample ``POISON``) and the tier connector's output
-        (None when empty, as the model runner sends it)."""
+        """Run one step; returns, per scheduled request, the position of its first draft
+        token (its last scheduled position + 1 without drafts) and the first position
+        whose KV it did not write validly (past its accepted drafts), the requests that
+        read a block whose synchronous load failed in this very step (vLLM discards their
+        output: they sample ``POISON``) and the tier connector's output (None when empty,
+        as the model runner sends it).
+
+        Speculative decoding: the step's last ``len(scheduled_spec_decode_tokens[r])``
+        positions are drafts, of which ``accept`` picks how many the model keeps; a
+        rejected draft's slot gets ``GARBAGE``. As vLLM's model runner under async
+        scheduling, a running request continues from where its KV is valid, before the
+        rejections the scheduler has not seen (or earlier, where the scheduler says so)."""
         cached = out.scheduled_cached_reqs
         for request_id in (out.finished_req_ids | (out.preempted_req_ids or set())
                            | cached.resumed_req_ids):
@@ -173,7 +193,12 @@ class ContentWorker:
                 for table, ids in zip((self.requests[request_id].blocks,
                                        self.requests[request_id].state_blocks), new_ids):
                     table.extend(ids)
-            starts[request_id] = cached.num_computed_tokens[i]
+            scheduled = cached.num_computed_tokens[i]
+            valid = self.requests[request_id].next_position
+            assert valid is None or scheduled - valid <= self.max_drafts, (
+                f"{request_id}: the scheduler continues at {scheduled}, its KV is valid to {valid}")
+            # (the scheduler may go back: a failed load is recomputed)
+            starts[request_id] = scheduled if valid is None else min(scheduled, valid)
         bs = self.block_size
         for copy in out.kv_cache_block_copies or ():
             self.kv[:, copy.dst_block_id] = self.kv[:, copy.src_block_id]
@@ -187,20 +212,22 @@ class ContentWorker:
             if out.has_sync_kv_loads:
                 connector.start_load_kv(None)
                 failed = connector.get_block_ids_with_load_errors()
+        computed = self._verify_drafts(out, starts)
         written: dict[tuple[int, int], str] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            blocks = self.requests[request_id].blocks
+            blocks, valid = self.requests[request_id].blocks, computed[request_id][1]
             end = starts[request_id] + num_tokens
             assert len(blocks) * bs >= end, f"{request_id}: {len(blocks)} blocks for {end} tokens"
             for p in range(starts[request_id], end):
                 slot = (blocks[p // bs], p % bs)
                 assert written.setdefault(slot, request_id) == request_id, (
                     f"step writes slot {slot} for {written[slot]} and {request_id}")
-                self.kv[:, slot[0], :, slot[1]] = self.prefix_id(request_id, p)
+                self.kv[:, slot[0], :, slot[1]] = (self.prefix_id(request_id, p) if p < valid
+                                                   else GARBAGE)
         poisoned = set()
-        for request_id, num_tokens in out.num_scheduled_tokens.items():
+        for request_id in out.num_scheduled_tokens:
             blocks = self.requests[request_id].blocks
-            for p in range(starts[request_id] + num_tokens):
+            for p in range(computed[request_id][1]):
                 if blocks[p // bs] in failed:
                     poisoned.add(request_id)
                     continue
@@ -209,7 +236,7 @@ class ContentWorker:
                     f"{request_id} reads position {p} (block {blocks[p // bs]}), which holds "
                     f"KV of another prefix or none (computed from {starts[request_id]})")
         if connector is None:
-            return starts, poisoned, None
+            return computed, poisoned, None
         if not out.has_sync_kv_loads:
             connector.start_load_kv(None)
         connector.wait_for_save()
@@ -219,7 +246,21 @@ class ContentWorker:
                                    failed_recving=transfers.failed_recving,
                                    invalid_block_ids=failed)
         connector.clear_connector_metadata()
-        return starts, poisoned, None if result.is_empty() else result
+        return computed, poisoned, None if result.is_empty() else result
+
+    def _verify_drafts(self, out: SchedulerOutput,
+                       starts: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Per scheduled request: its first draft's position and the end of what it
+        computes validly (``execute``), which is where it continues next step."""
+        computed = {}
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            drafts = len(out.scheduled_spec_decode_tokens.get(request_id, ()))
+            first_draft = starts[request_id] + num_tokens - drafts
+            valid = first_draft + (self.accept(request_id, first_draft, drafts) if drafts else 0)
+            computed[request_id] = (first_draft, valid)
+            self.drafts, self.accepted = self.drafts + drafts, self.accepted + valid - first_draft
+            self.requests[request_id].next_position = valid
+        return computed
 
     def _advance_states(self, out: SchedulerOutput, starts: dict[str, int]) -> None:
         """The state group's step: every request's copy (checked), then every update."""
@@ -251,7 +292,7 @@ class AsyncHarness:
     ``vllm_config`` selects it."""
 
     def __init__(self, vllm_config, *, num_blocks: int, tiers: dict | None = None,
-                 state_layers: bool = False) -> None:
+                 state_layers: bool = False, seed: int = 0) -> None:
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         if tiers is not None:
             vllm_config.kv_transfer_config.kv_connector_extra_config = dict(tiers)
@@ -271,7 +312,11 @@ class AsyncHarness:
             structured_output_manager=StructuredOutputManager(vllm_config))
         connector = None if tiers is None else KVConnectorFactory.create_connector(
             vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        self.worker = ContentWorker(block_size, num_blocks, connector, state_layers)
+        rng = random.Random(seed)  # how many of a step's drafts the model accepts
+        self.worker = ContentWorker(block_size, num_blocks, connector, state_layers,
+                                    accept=lambda request_id, position, drafts: rng.randint(
+                                        0, drafts),
+                                    max_drafts=vllm_config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
@@ -289,14 +334,18 @@ class AsyncHarness:
         """Schedule and run one step; its output waits in ``in_flight``."""
         assert len(self.in_flight) < self.max_in_flight
         out = self.scheduler.schedule()
-        starts, poisoned, connector_output = self.worker.execute(out)
+        computed, poisoned, connector_output = self.worker.execute(out)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for request_id in ids:
-            request = self.scheduler.requests[request_id]
-            end = starts[request_id] + out.num_scheduled_tokens[request_id]
-            token = POISON if request_id in poisoned else generated_token(request_id, end)
-            sampled.append([] if request.is_prefill_chunk else [token])
+            first_draft, valid = computed[request_id]
+            if self.scheduler.requests[request_id].is_prefill_chunk:
+                sampled.append([])
+            elif request_id in poisoned:
+                sampled.append([POISON])
+            else:  # the accepted drafts, then the token after them
+                sampled.append([generated_token(request_id, p)
+                                for p in range(first_draft, valid + 1)])
         self.in_flight.append((out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled, kv_connector_output=connector_output)))

@@ -8,6 +8,10 @@ manager; ``ContentWorker`` (see ``async_harness.py``) executes each step in orde
 and fails on any read of a slot that does not hold the reader's own prefix.
 After every step the manager's prefix cache passes ``check_invariants()``. A third of the
 runs schedule synchronously (async scheduling off): the same checks for that scheduler.
+With a draft model's 3 draft tokens per decode step, of which the worker accepts a random
+number, the scheduler runs ahead of the worker's valid KV by the rejected drafts until
+each step's output is in: no request reads a rejected draft's slot, and the tree holds
+only real tokens.
 
 With kvbackend's host and disk tiers (real ``TierPlanner`` and host mirror in the
 scheduler, real ``TierWorker``/``HostTier``/``DiskTier`` moving the worker's KV tensor),
@@ -34,15 +38,27 @@ from hypothesis.stateful import (
 from vllm.config import KVTransferConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
+from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm import tier_transfer_config
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
 from tests.store_helpers import damage_file, tree_files
 from tests.vllm.async_harness import VOCAB, AsyncHarness, async_config, tier_gb
+from tests.vllm.spec_decode_steps import leaf_paths
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 10
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 11, 12], [20, 21, 22])
+
+
+@pytest.fixture(scope="module")
+def spec_config(tiny_model, tmp_path_factory):
+    """``config`` with a draft model proposing 3 tokens per step (and 3 lookahead slots)."""
+    draft = build_tiny_llama(str(tmp_path_factory.mktemp("tiny-draft")), seed=1)
+    return async_config(tiny_model, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+                        max_num_seqs=3, speculative_config={
+                            "method": "draft_model", "model": draft,
+                            "num_speculative_tokens": 3})
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +196,7 @@ class HarnessMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.just(10) | st.integers(0, 10),
           suffix=st.lists(st.integers(0, VOCAB - 1), max_size=9),
-          max_tokens=st.integers(1, 5))
+          max_tokens=st.integers(1, 12))
     def arrive(self, prefix, cut, suffix, max_tokens):
         prompt = prefix[:cut] + suffix
         if prompt:
@@ -197,7 +213,10 @@ class HarnessMachine(RuleBasedStateMachine):
     def deliver(self):
         self.harness.deliver()
 
-    @precondition(lambda self: self.harness.scheduler.requests)
+    # vLLM's engine core takes aborts between its steps: synchronously, only once the
+    # step's output is in (a synchronous tier load is published after that output).
+    @precondition(lambda self: self.harness.scheduler.requests and (
+        self.harness.max_in_flight > 1 or not self.harness.in_flight))
     @rule(data=st.data())
     def abort(self, data):
         live = sorted(self.harness.scheduler.requests)
@@ -222,12 +241,59 @@ def test_kvbackend_async_scheduling_stateful(config):
     AsyncSchedulingMachine.TestCase().runTest()
 
 
-def test_kvbackend_async_scheduling_with_tiers_stateful(config):
+def test_a_conversation_decoded_with_draft_tokens_is_reused_under_async_scheduling(
+        spec_config):
+    """A request decodes with drafts (some rejected: their slots hold ``GARBAGE``), then
+    its conversation continues: the next turn hits every token the first one computed,
+    output included, and reads only valid KV."""
+    harness = AsyncHarness(copy.deepcopy(spec_config), num_blocks=NUM_BLOCKS, seed=1)
+    harness.add("a", PREFIXES[0], max_tokens=12)
+    harness.run_to_end()
+    worker, manager = harness.worker, harness.scheduler.kv_cache_manager
+    assert 0 < worker.accepted < worker.drafts
+    turn = list(harness.requests["a"].all_token_ids)
+    assert len(turn) == len(PREFIXES[0]) + 12
+    hits = manager.hit_tokens
+    harness.add("b", turn + [30, 31], max_tokens=4)
+    harness.run_to_end()
+    # All of a's tokens whose KV a step wrote: the last one too if a step ran after it.
+    assert manager.hit_tokens - hits >= len(turn) - 1
+
+
+def test_kvbackend_async_scheduling_with_draft_tokens_stateful(spec_config):
+    """The machine above with a draft model's 3 draft tokens per decode step, of which the
+    model accepts a random number: under async scheduling the scheduler counts a step's
+    drafts as computed until the step's output says how many were rejected, and the
+    worker writes the next step from where its KV is valid. No request reads a rejected
+    draft's KV, nor KV of a step that has not run, and the tree holds only real tokens."""
+    sync_config = copy.deepcopy(spec_config)
+    sync_config.scheduler_config.async_scheduling = False
+
+    class DraftMachine(HarnessMachine):
+        @initialize(mode=st.sampled_from(["async", "async", "sync"]), seed=st.integers(0, 99))
+        def start(self, mode, seed):
+            self.harness = AsyncHarness(spec_config if mode == "async" else sync_config,
+                                        num_blocks=NUM_BLOCKS, seed=seed)
+
+        @invariant()
+        def cache_holds_real_tokens_only(self):
+            cache = self.harness.scheduler.kv_cache_manager.cache
+            cache.check_invariants()
+            known = [list(request.all_token_ids) for request in self.harness.requests.values()]
+            for path in leaf_paths(cache.tree):
+                assert any(tokens[: len(path)] == path for tokens in known), (
+                    f"the tree holds {path}, which no request's tokens start with")
+
+    DraftMachine.TestCase().runTest()
+
+
+def test_kvbackend_async_scheduling_with_tiers_stateful(config, spec_config):
     """The machine above with host and disk tiers, failed loads and up to two steps in
-    flight; a third of the runs schedule synchronously."""
-    tiered = with_tiers(config)
-    sync_tiered = copy.deepcopy(tiered)
+    flight; a quarter of the runs schedule synchronously, a quarter decode with drafts."""
+    sync_tiered = with_tiers(config)
     sync_tiered.scheduler_config.async_scheduling = False
+    configs = {"async": with_tiers(config), "sync": sync_tiered,
+               "async-drafts": with_tiers(spec_config)}
 
     class TieredMachine(HarnessMachine):
         def __init__(self) -> None:
@@ -237,11 +303,12 @@ def test_kvbackend_async_scheduling_with_tiers_stateful(config):
         def teardown(self) -> None:
             shutil.rmtree(self.root, ignore_errors=True)
 
-        @initialize(mode=st.sampled_from(["async", "async", "sync"]))
-        def start(self, mode):
-            chosen = tiered if mode == "async" else sync_tiered
+        @initialize(mode=st.sampled_from(["async", "async", "async-drafts", "sync"]),
+                    seed=st.integers(0, 99))
+        def start(self, mode, seed):
+            chosen = configs[mode]
             self.harness = AsyncHarness(copy.deepcopy(chosen), num_blocks=NUM_BLOCKS, tiers={
-                "host_cache_gb": tier_gb(chosen, 2), "disk_cache_dir": self.root})
+                "host_cache_gb": tier_gb(chosen, 2), "disk_cache_dir": self.root}, seed=seed)
             # A failed prefetch leaves the mirror wrong by design (the planner's docstring).
             self.harness.scheduler.connector.planner.prefetch_step_blocks = 0
 

@@ -162,18 +162,17 @@ def test_ngram_speculative_decoding_is_served_without_the_option_validator(tiny_
     assert OPTIONS_VALIDATOR in plain.model_config.logits_processors
 
 
-def test_eagle_drafters_and_async_spec_decode_are_refused_draft_models_served(tiny_model):
+def test_eagle_drafters_are_refused_draft_models_served_with_async_scheduling(tiny_model):
     draft = {"model": tiny_model, "num_speculative_tokens": 2}
-    assert unsupported_features(_spec_config(tiny_model, {"method": "draft_model", **draft})) == []
+    draft_model = _spec_config(tiny_model, {"method": "draft_model", **draft})
+    assert unsupported_features(draft_model) == []
+    draft_model.scheduler_config.async_scheduling = True  # what vLLM picks on a GPU
+    assert unsupported_features(draft_model) == []  # test_async_scheduling.py: drafts
     eagle = _spec_config(tiny_model, {"method": "eagle", **draft})
     assert unsupported_features(eagle) == [
         "speculative decoding whose drafter reads the target's hidden states into a KV cache "
         "(EAGLE, MTP, DFlash, DSpark; n-gram, suffix, Medusa, MLP speculators and draft "
         "models are served)"]
-    ngram = _spec_config(tiny_model, NGRAM)
-    ngram.scheduler_config.async_scheduling = True  # what a GPU build with ngram_gpu runs
-    assert unsupported_features(ngram) == [
-        "speculative decoding together with async scheduling (pass --no-async-scheduling)"]
 
 
 def _spec(kind, block_size: int = BLOCK_SIZE, **fields):
