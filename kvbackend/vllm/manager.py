@@ -154,6 +154,10 @@ attention that reads it. Hence:
 the token prefix its slot holds, and, with host and disk tiers whose files are
 damaged, that every published slot holds its prefix.
 
+vLLM's block residency metrics (``--kv-cache-metrics``: lifetime, idle time before
+eviction, reuse gaps) are recorded on kvbackend's blocks where vLLM's block pool records
+its own (``_record_residency``; vLLM's pool is unused).
+
 vLLM's ``KVCacheManager`` surface (``tests/vllm/test_manager_surface.py`` fails
 when vLLM adds a public member that this table does not name):
 
@@ -369,7 +373,7 @@ class KVBackendManager(KVCacheManager):
             seq = self.cache.open_sequence(match, total)
             if seq is None:
                 return None
-            allocated = seq.block_ids[match.num_full_blocks:]
+            allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
             tracked.sequence, tracked.match = seq, None
             self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
             self.hit_tokens += match.num_tokens
@@ -381,8 +385,11 @@ class KVBackendManager(KVCacheManager):
             new_block_ids = allocated = self.cache.extend(seq, max(total, seq.num_tokens))
             if new_block_ids is None:
                 return None
+            accessed = ()
         if self.kv_events is not None:
             self.kv_events.reused(allocated)
+        if self.metrics_collector is not None:
+            self._record_residency(allocated, accessed)
         if self.checkpoints is not None:
             self.checkpoints.forget(allocated)
         end = computed + num_new_tokens
@@ -457,6 +464,8 @@ class KVBackendManager(KVCacheManager):
         if self.cache.sequences:
             return False
         self.cache.clear()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         if self.checkpoints is not None:
             self.checkpoints.clear()
         if self.kv_events is not None:
@@ -547,6 +556,19 @@ class KVBackendManager(KVCacheManager):
                                "cached tokens, which do not end on a state checkpoint; this "
                                "indicates a bug")
         return match
+
+    def _record_residency(self, allocated, accessed) -> None:
+        """vLLM's block residency metrics (``--kv-cache-metrics``), on logical blocks as
+        vLLM's block pool records them: a block handed out ends its previous life (vLLM
+        counts it evicted then) and may start a sampled one; a hit reads its blocks
+        (the partial one by its copy). O(blocks)."""
+        collector = self.metrics_collector
+        for block_id in allocated:
+            block = KVCacheBlock(block_id)
+            collector.on_block_evicted(block)
+            collector.on_block_allocated(block)
+        for block_id in accessed:
+            collector.on_block_accessed(KVCacheBlock(block_id))
 
     def _room_after_dropping_copies(self, num_blocks: int, margin: int) -> bool:
         """Whether ``num_blocks`` fit (``margin`` kept) once cached prefixes free the
