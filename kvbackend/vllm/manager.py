@@ -21,12 +21,15 @@ first lookup (``get_computed_blocks``: vLLM looks up only in its waiting loop,
 after the running loop, and admits nobody in a step that preempted) or its end
 (``take_kv_cache_block_copies``) publishes it; a request freed before then
 publishes only its computed tokens. A *partial* hit is served
-by copying its block before the forward pass, so it must not come from a block
-written in the current step: such a hit falls back to the longest one whose
-partial block is older (a node higher on the path, e.g. the conversation two
-branches continue, holds its own copy), else to the last full block. Each
-fallback is one more match, O(depth + tokens), and only while a match ends in a
-block written this step.
+by copying its block before the forward pass, so the slots it reads must not be
+written in the current step (``step_writes.py``; a writer appending past them, as a
+conversation still decoding into its last block, is fine): such a hit falls back
+to the longest one whose partial block is older (a node higher on the path, e.g.
+the conversation two branches continue, holds its own copy), else to the last
+full block. Each fallback is one more match, O(depth + tokens), and only while a
+match ends on slots this step writes. Once a continuation's copy of a prefix's
+partial block ran, the prefix takes that copy and frees its own
+(``new_step_starts``: ``PrefixCache.drop_redundant_copies``).
 
 Tokens loaded by a KV connector (kvbackend's host/disk/remote tiers, or another
 connector: ``kvbackend.vllm.connectors``) arrive as
@@ -226,6 +229,7 @@ from kvbackend.vllm.miss_log import MissLog
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.request_options import request_options
 from kvbackend.vllm.state_checkpoints import StateCheckpoints
+from kvbackend.vllm.step_writes import StepWrites
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +274,7 @@ class KVBackendManager(KVCacheManager):
                 f"{usable}; lower max_model_len or give the KV "
                 "cache more memory")
         self._requests: dict[str, _TrackedRequest] = {}
-        self._written_this_step: set[int] = set()
+        self._written_this_step = StepWrites(self.block_size)
         # request id -> (request, tokens, step end) scheduled this step, published by
         # _publish_scheduled
         self._scheduled: dict[str, tuple[Request, int, int]] = {}
@@ -299,7 +303,8 @@ class KVBackendManager(KVCacheManager):
             limit = min(limit, request.num_prompt_tokens)
         tokens = tracked.tokens.sync(request.all_token_ids)
         match = self.cache.match(tokens, tracked.namespace, max_tokens=limit)
-        while match.num_partial_tokens and match.partial_block_id in self._written_this_step:
+        while match.num_partial_tokens and self._written_this_step.overwrites(
+                match.partial_block_id, match.num_partial_tokens):
             # A node higher on the path may hold its own, older copy of that block.
             fallback = max(match.node.start, match.num_full_blocks * self.block_size)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=fallback)
@@ -393,9 +398,10 @@ class KVBackendManager(KVCacheManager):
         if self.checkpoints is not None:
             self.checkpoints.forget(allocated)
         end = computed + num_new_tokens
-        first_written = (computed - num_external_computed_tokens) // self.block_size
-        self._written_this_step.update(
-            seq.block_ids[first_written: cdiv(end, self.block_size)])
+        first_written = computed - num_external_computed_tokens  # a load writes too
+        self._written_this_step.add(
+            seq.block_ids[first_written // self.block_size: cdiv(end, self.block_size)],
+            first_written)
         tracked.loading = delay_cache_blocks
         if not num_external_computed_tokens:  # else: published once the load is known good
             self._scheduled[request.request_id] = (request, min(end, request.num_tokens), end)
@@ -518,12 +524,16 @@ class KVBackendManager(KVCacheManager):
         return self.kv_events.take() if self.kv_events is not None else []
 
     def new_step_starts(self) -> None:
-        """The previous step ran: release its copies' sources. O(copies + blocks written)."""
+        """The previous step ran: release its copies' sources, and the blocks cached
+        prefixes hold although a continuation copied them (``drop_redundant_copies``:
+        the copies are valid from now on, for the slots a hit reads). O(copies + blocks
+        written + prefixes continued in the previous step)."""
         if self._scheduled:
             raise RuntimeError(f"{len(self._scheduled)} request(s) scheduled in the previous "
                                "step were never published; this indicates a bug")
         super().new_step_starts()
         self.cache.complete_block_copies()  # the previous step, and its copies, have run
+        self.cache.drop_redundant_copies()
         if self.checkpoints is not None:
             self.checkpoints.step_starts()
         self._written_this_step.clear()
@@ -631,7 +641,7 @@ class KVBackendManager(KVCacheManager):
             self.checkpoints.copy_to(own, shared)
             if self.kv_events is not None:
                 self.kv_events.state_written(shared)
-            self._written_this_step.add(shared)
+            self._written_this_step.add([shared])
 
     def _publish(self, request: Request, tracked: _TrackedRequest, num_tokens: int,
                  force: bool = False) -> None:

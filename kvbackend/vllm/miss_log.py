@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Container, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,6 +42,7 @@ from kvbackend.core.prefix_cache import PrefixCache
 from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 from kvbackend.vllm.config import open_for_append
 from kvbackend.vllm.namespace import namespace_bytes
+from kvbackend.vllm.step_writes import StepWrites
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +82,17 @@ class MissLog:
         self._requests: dict[str, _Request] = {}
 
     def admitted(self, request_id: str, namespace: Hashable, prompt: np.ndarray,
-                 admission: Admission, written_blocks: Container[int] = ()) -> None:
-        """Diagnose an admission. ``written_blocks``: device blocks written in this step
-        (a device hit ending inside one of them was cut back: ``same_step_cut``)."""
+                 admission: Admission, written: StepWrites | None = None) -> None:
+        """Diagnose an admission. ``written``: device blocks written in this step (a device
+        hit ending inside one of them, on a slot the step writes, was cut back:
+        ``same_step_cut``)."""
         if self._fd is None:
             return
         try:
             longest = self.cache.match(prompt, namespace, max_tokens=admission.limit,
                                        touch=False)
-            if longest.num_partial_tokens and longest.partial_block_id in written_blocks:
+            if written is not None and longest.num_partial_tokens and written.overwrites(
+                    longest.partial_block_id, longest.num_partial_tokens):
                 admission = replace(admission, same_step_cut=True)
             state = self._state(request_id, namespace)
             spans = self.cache.diagnose_miss(self.seen, state.digests, prompt, namespace, admission)

@@ -168,6 +168,50 @@ def test_a_request_is_not_starved_by_blocks_its_own_cached_path_holds(config, mo
     harness.scheduler.kv_cache_manager.cache.check_invariants()
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_partial_hit_on_a_block_its_writer_appends_to_is_not_cut_back(config, mode):
+    """a's prompt ends inside block 1 and a decodes into that block in the step that
+    admits b, whose prompt is a's plus its own tokens: the step writes block 1 from slot
+    2 on, b copies slots 0 and 1, which an earlier step wrote. b hits all 6 tokens (it was
+    cut back to the 4 of block 0), and the worker checks every slot b reads."""
+    chosen = copy.deepcopy(config)
+    chosen.scheduler_config.async_scheduling = mode == "async"
+    harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+    prompt = PREFIXES[0][:6]
+    harness.add("a", prompt, max_tokens=4)
+    harness.schedule()  # a's prefill
+    if mode == "sync":
+        harness.deliver()
+    harness.add("b", prompt + [VOCAB - 1, VOCAB - 2], max_tokens=2)
+    manager = harness.scheduler.kv_cache_manager
+    out = harness.schedule()  # a writes position 6 (block 1, slot 2); b is admitted
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert manager.hit_tokens == 6
+    harness.run_to_end()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_prefix_gives_up_its_block_once_a_continuation_copied_it(config, mode):
+    """r1's 10 tokens end inside block 2; r2 continues them, copying that block. From the
+    next step on the tree lists r2's copy for r1's tokens too, and r1's own block is
+    free: the cached tokens take one block per 4 (one more before)."""
+    chosen = copy.deepcopy(config)
+    chosen.scheduler_config.async_scheduling = mode == "async"
+    harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+    harness.add("r1", PREFIXES[0], max_tokens=1)
+    harness.run_to_end()
+    harness.add("r2", PREFIXES[0] + [0] * 6, max_tokens=1)
+    harness.run_to_end()
+    harness.schedule()  # the next step starts (empty here)
+    harness.deliver()
+    cache = harness.scheduler.kv_cache_manager.cache
+    assert cache.match(PREFIXES[0] + [0] * 6).num_tokens == 16  # r2's 16 computed tokens
+    cached = {int(b) for node in cache.tree.iter_nodes(all_namespaces=True)
+              for b in node.block_ids}
+    assert len(cached) == 16 // BLOCK_SIZE
+    assert cache.pool.num_free == NUM_BLOCKS - 1 - len(cached)
+
+
 def test_a_shared_prefix_is_reused_under_async_scheduling(config):
     """B arrives while A's prefill is in flight and hits A's blocks (vLLM's own prefix
     caching would too), its partial block copied; the worker finds A's KV in them."""
