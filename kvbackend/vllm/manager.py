@@ -379,6 +379,7 @@ class KVBackendManager(KVCacheManager):
             if seq is None:
                 return None
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
+            copied = match.num_partial_tokens  # slots this step's copy writes
             tracked.sequence, tracked.match = seq, None
             self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
             self.hit_tokens += match.num_tokens
@@ -390,7 +391,7 @@ class KVBackendManager(KVCacheManager):
             new_block_ids = allocated = self.cache.extend(seq, max(total, seq.num_tokens))
             if new_block_ids is None:
                 return None
-            accessed = ()
+            accessed, copied = (), 0
         if self.kv_events is not None:
             self.kv_events.reused(allocated)
         if self.metrics_collector is not None:
@@ -398,7 +399,8 @@ class KVBackendManager(KVCacheManager):
         if self.checkpoints is not None:
             self.checkpoints.forget(allocated)
         end = computed + num_new_tokens
-        first_written = computed - num_external_computed_tokens  # a load writes too
+        # loads and a partial hit's copy write in this step too
+        first_written = computed - num_external_computed_tokens - copied
         self._written_this_step.add(
             seq.block_ids[first_written // self.block_size: cdiv(end, self.block_size)],
             first_written)

@@ -14,6 +14,11 @@ written first; a hit reads only published tokens, whose ids are known, and the
 worker writes at or past the first unknown one, so it never reads a slot the
 step writes.
 
+A partial hit's copy writes the first slots of its destination in this step too,
+and vLLM runs a step's copies all at once (every source read before any destination
+is written), so a copy's destination counts as written from slot 0: no hit in the
+same step copies from it, whatever lists it by then.
+
 Invariant: ``first_slot[b]`` is the lowest slot of block ``b`` recorded this step.
 """
 

@@ -200,10 +200,14 @@ class ContentWorker:
             # (the scheduler may go back: a failed load is recomputed)
             starts[request_id] = scheduled if valid is None else min(scheduled, valid)
         bs = self.block_size
-        for copy in out.kv_cache_block_copies or ():
-            self.kv[:, copy.dst_block_id] = self.kv[:, copy.src_block_id]
+        copies = out.kv_cache_block_copies or ()
+        if copies:  # all at once, as vLLM's copy_kv_cache_blocks_inplace: every source is
+            # read before any destination is written, so a copy never reads another's
+            src = [copy.src_block_id for copy in copies]
+            dst = [copy.dst_block_id for copy in copies]
+            self.kv[:, dst] = self.kv[:, src]
             if self.states is not None:  # a state group's block: its state moves too
-                self.states[copy.dst_block_id] = self.states.get(copy.src_block_id, 0)
+                self.states.update(zip(dst, [self.states.get(b, 0) for b in src]))
         if self.states is not None:
             self._advance_states(out, starts)
         connector, failed = self.connector, set()

@@ -212,6 +212,41 @@ def test_a_prefix_gives_up_its_block_once_a_continuation_copied_it(config, mode)
     assert cache.pool.num_free == NUM_BLOCKS - 1 - len(cached)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_hit_never_copies_a_block_another_copy_fills_in_the_same_step(config, mode):
+    """r1's 10 tokens end inside block 2. a and c continue them in one step: a copies
+    r1's block 2 into its own; then (as when the pool falls short while c is admitted)
+    r1's prefix takes a's copy. c's hit ends on that copy's first slots, which the step's
+    copy fills: vLLM runs a step's copies all at once (every source read first), so c
+    must not copy from it (its hit is cut back to the full blocks); the worker checks
+    every slot c reads."""
+    chosen = copy.deepcopy(config)
+    chosen.scheduler_config.async_scheduling = mode == "async"
+    harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+    harness.add("r1", PREFIXES[0], max_tokens=1)
+    harness.run_to_end()
+    harness.schedule()  # a step without requests: the next steps start clean
+    harness.deliver()
+    manager = harness.scheduler.kv_cache_manager
+    lookup = manager.get_computed_blocks
+
+    def lookup_after_a_drop(request):
+        if request.request_id == "c":
+            manager.get_computed_blocks = lookup
+            manager._publish_scheduled()  # a's continuation, which copied block 2
+            assert manager.cache.drop_redundant_copies() == 0  # r1's block 2: a's copy source
+        return lookup(request)
+
+    manager.get_computed_blocks = lookup_after_a_drop
+    harness.add("a", PREFIXES[0] + [30, 31], max_tokens=1)
+    harness.add("c", PREFIXES[0] + [40, 41], max_tokens=1)
+    hits = manager.hit_tokens
+    out = harness.schedule()
+    assert set(out.num_scheduled_tokens) == {"a", "c"}
+    assert manager.hit_tokens - hits == 10 + 8
+    harness.run_to_end()
+
+
 def test_a_shared_prefix_is_reused_under_async_scheduling(config):
     """B arrives while A's prefill is in flight and hits A's blocks (vLLM's own prefix
     caching would too), its partial block copied; the worker finds A's KV in them."""
