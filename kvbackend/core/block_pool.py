@@ -21,7 +21,7 @@ Invariants (checked by ``check_invariants``):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -31,6 +31,8 @@ class BlockPool:
 
     The pool never evicts by itself: ``allocate`` takes free blocks only; the
     owner of the cache frees evictable blocks first (see ``RadixTree.evict``).
+    ``on_free``, when set, is told of each block that returns to the free list
+    (it may release other blocks in turn).
     """
 
     def __init__(self, num_blocks: int, *, reserve_null_block: bool = True) -> None:
@@ -44,6 +46,7 @@ class BlockPool:
         self.hold_cnt = [0] * num_blocks
         self._free: deque[int] = deque(range(first, num_blocks))
         self.num_evictable = 0
+        self.on_free: Callable[[int], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -105,6 +108,8 @@ class BlockPool:
                 self._free.append(b)
                 freed += 1
                 self.num_evictable -= was_evictable
+                if self.on_free is not None:
+                    self.on_free(b)
             elif self.hold_cnt[b] == 0 and not was_evictable:
                 self.num_evictable += 1
         return freed

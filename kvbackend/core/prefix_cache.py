@@ -14,9 +14,17 @@ Copies are not made here: ``take_block_copies`` hands ``BlockCopy`` orders to th
 engine, which runs them before the next forward pass, then calls
 ``complete_block_copies``; until then the source block is held.
 
+A caller may hold blocks outside any table (``allocate_blocks``, or ``extra_blocks``
+beside a sequence's new ones): another KV-cache group's pages of the sequence's
+blocks, say. It frees them with ``free_blocks``; those it can give up on demand it
+names through its ``Reclaimer``, which ``_allocate`` interleaves with the tree's
+eviction in one least-recently-used order.
+
 Invariants (checked by ``check_invariants``, on top of the tree's and the pool's):
     * ref_cnt[b] == #(live sequences listing b) + #(tree nodes listing b) + #(copies reading b)
+                    + (1 if the caller holds b)
     * hold_cnt[b] == #(sequences listing b) + #(locked nodes listing b) + #(copies reading b)
+                     + (1 if the caller holds b)
     * lock_ref(node) == #(sequences and pins locked on the node's subtree)
     * a sequence owns ceil(num_tokens / block_size) blocks or more; its last block
       (the one it writes) is referenced by nothing else while it is partial
@@ -32,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -42,6 +50,20 @@ from kvbackend.core.radix_node import PrefixMatch, RadixNode
 from kvbackend.core.radix_tree import RadixTree
 from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 from kvbackend.core.token_ops import as_token_array, cdiv
+
+
+class Reclaimer(Protocol):
+    """The caller's blocks that the pool may take back, oldest first."""
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Blocks ``reclaim_oldest`` can free, all calls together."""
+
+    def oldest_key(self) -> tuple[int, int, int, int] | None:
+        """The oldest's place in the tree's eviction order (``first_victim_key``)."""
+
+    def reclaim_oldest(self) -> None:
+        """Free the oldest (``free_blocks``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +95,8 @@ class Sequence:
     node: RadixNode = field(repr=False)  # the locked node, deepest known cached point
     num_locked_tokens: int  # tokens of the sequence covered by ``node``'s path
     released: bool = False
+    # the caller's blocks allocated by the last open_sequence / extend (extra_blocks)
+    extra_block_ids: list[int] = field(default_factory=list, repr=False)
 
 
 class PrefixCache:
@@ -109,6 +133,8 @@ class PrefixCache:
         self._ids = itertools.count(1)
         self._pending_copies: list[BlockCopy] = []
         self._in_flight_copies: list[BlockCopy] = []
+        self._caller_blocks: set[int] = set()
+        self.reclaimer: Reclaimer | None = None
 
     # ---------------------------------------------------------------- queries
     def match(
@@ -152,8 +178,10 @@ class PrefixCache:
 
     @property
     def num_allocatable_blocks(self) -> int:
-        """Blocks that ``allocate`` can hand out now, evicting as needed. O(1)."""
-        return self.pool.num_free + self.pool.num_evictable
+        """Blocks that ``allocate`` can hand out now, evicting (and reclaiming) as needed.
+        O(1)."""
+        reclaimable = self.reclaimer.num_reclaimable if self.reclaimer is not None else 0
+        return self.pool.num_free + self.pool.num_evictable + reclaimable
 
     def block_counts(self) -> BlockCounts:
         """The pool's usable blocks and how many are free and held. O(1)."""
@@ -161,12 +189,19 @@ class PrefixCache:
         return BlockCounts(pool.num_usable_blocks, pool.num_free, pool.num_held)
 
     @property
+    def caller_blocks(self) -> set[int]:
+        """The blocks the caller holds outside any table (read only). O(1)."""
+        return self._caller_blocks
+
+    @property
     def sequences(self) -> list[Sequence]:
         return list(self._sequences.values())
 
     # ---------------------------------------------------------- sequence life
-    def open_sequence(self, match: PrefixMatch, num_tokens: int | None = None) -> Sequence | None:
-        """Start a sequence from ``match`` with room for ``num_tokens`` (default: the match).
+    def open_sequence(self, match: PrefixMatch, num_tokens: int | None = None, *,
+                      extra_blocks: int = 0) -> Sequence | None:
+        """Start a sequence from ``match`` with room for ``num_tokens`` (default: the match),
+        and ``extra_blocks`` more for the caller (``Sequence.extra_block_ids``).
 
         Shares the matched full blocks; a partial block is copied on write. Only the
         matched prefix is locked (a node running past it is split), so the pool
@@ -188,31 +223,35 @@ class PrefixCache:
         self.tree.lock(node)  # keeps the matched blocks out of eviction below
         source = [match.block_ids[-1]] if match.num_partial_tokens else []
         self.pool.ref(source, hold=True)  # the copy's: a node may drop its own (_allocate)
-        new_blocks = self._allocate(num_new)
+        new_blocks = self._allocate(num_new + extra_blocks)
         if new_blocks is None:
             self.pool.unref(source, hold=True)
             self.tree.unlock(node)
             return None
+        new_blocks, extras = self._split_extras(new_blocks, extra_blocks)
         self.pool.ref(shared, hold=True)
         if source:
             self._pending_copies.append(BlockCopy(source[0], new_blocks[0],
                                                   match.num_partial_tokens))
         seq = Sequence(next(self._ids), node.namespace, shared + new_blocks, total, node,
-                       match.num_tokens)
+                       match.num_tokens, extra_block_ids=extras)
         self._sequences[seq.seq_id] = seq
         return seq
 
-    def extend(self, seq: Sequence, num_tokens: int) -> list[int] | None:
-        """Grow ``seq`` to ``num_tokens`` tokens; returns the new block ids (maybe none).
+    def extend(self, seq: Sequence, num_tokens: int, *, extra_blocks: int = 0) -> list[int] | None:
+        """Grow ``seq`` to ``num_tokens`` tokens; returns the new block ids (maybe none),
+        with ``extra_blocks`` more for the caller in ``seq.extra_block_ids``.
 
         All or nothing: None means the pool could not supply them. O(new blocks).
         """
         self._check_live(seq)
         if num_tokens < seq.num_tokens:
             raise ValueError(f"a sequence cannot shrink ({seq.num_tokens} -> {num_tokens} tokens)")
-        new_blocks = self._allocate(cdiv(num_tokens, self.block_size) - len(seq.block_ids))
+        num_new = cdiv(num_tokens, self.block_size) - len(seq.block_ids)
+        new_blocks = self._allocate(num_new + extra_blocks)
         if new_blocks is None:
             return None
+        new_blocks, seq.extra_block_ids = self._split_extras(new_blocks, extra_blocks)
         seq.block_ids.extend(new_blocks)
         seq.num_tokens = num_tokens
         return new_blocks
@@ -235,6 +274,15 @@ class PrefixCache:
             self.tree.unlock(seq.node)
             seq.node, seq.num_locked_tokens = result.node, len(tokens)
         return len(tokens) - result.num_existing_tokens
+
+    def replace_blocks(self, seq: Sequence, tokens: Seq[int] | np.ndarray,
+                       replace: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+        """Where the tree lists, for a whole block of ``seq``'s published ``tokens``,
+        another block than ``seq`` and ``replace(listed, own)`` says so, it lists
+        ``seq``'s instead (``RadixTree.replace_inner_blocks``). O(depth + blocks)."""
+        self._check_live(seq)
+        return self.tree.replace_inner_blocks(as_token_array(tokens), seq.namespace,
+                                              seq.block_ids, replace)
 
     def fork(self, seq: Sequence) -> Sequence | None:
         """A second sequence with the same tokens (n > 1 sampling, beam search).
@@ -318,6 +366,30 @@ class PrefixCache:
         self._pinned_blocks.clear()
         self.tree.evict(self.pool.num_blocks)
 
+    # ---------------------------------------------------------- caller blocks
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks held for the caller, outside any table, evicting as needed; None
+        (nothing taken) when the pool cannot supply them. O(n + evicted)."""
+        blocks = self._allocate(n)
+        if blocks is not None:
+            self._caller_blocks.update(blocks)
+        return blocks
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Return the caller's blocks to the pool. O(len(block_ids))."""
+        block_ids = list(block_ids)
+        if not self._caller_blocks.issuperset(block_ids):
+            raise ValueError(f"blocks {sorted(set(block_ids) - self._caller_blocks)} are not "
+                             "the caller's")
+        self._caller_blocks.difference_update(block_ids)
+        self.pool.unref(block_ids, hold=True)
+
+    def _split_extras(self, blocks: list[int], num_extra: int) -> tuple[list[int], list[int]]:
+        """The last ``num_extra`` of freshly allocated ``blocks`` become the caller's."""
+        cut = len(blocks) - num_extra
+        self._caller_blocks.update(blocks[cut:])
+        return blocks[:cut], blocks[cut:]
+
     # ------------------------------------------------------------------ copies
     def take_block_copies(self) -> list[BlockCopy]:
         """Copies the engine must run before its next forward pass."""
@@ -332,15 +404,26 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- helpers
     def _allocate(self, n: int) -> list[int] | None:
-        """``n`` free blocks, evicting as needed. Where the free and evictable blocks fall
-        short, nodes whose continuations copied their last block give up their own copy
-        first (``drop_redundant_copies``, only then)."""
+        """``n`` free blocks, evicting as needed (with a ``reclaimer``, the tree's victim
+        or the caller's oldest reclaimable block, whichever is older, one at a time).
+        Where those fall short, nodes whose continuations copied their last block give
+        up their own copy first (``drop_redundant_copies``, only then)."""
         if n > self.num_allocatable_blocks:
             self.drop_redundant_copies()
         if n > self.num_allocatable_blocks:
             return None
-        if n > self.pool.num_free:
-            self.tree.evict(n - self.pool.num_free)
+        reclaimer = self.reclaimer
+        if reclaimer is None:
+            if n > self.pool.num_free:
+                self.tree.evict(n - self.pool.num_free)
+        while self.pool.num_free < n and reclaimer is not None:
+            oldest, victim = reclaimer.oldest_key(), self.tree.first_victim_key()
+            if oldest is not None and (victim is None or oldest < victim):
+                reclaimer.reclaim_oldest()
+            elif not self.tree.evict(1):
+                if oldest is None:
+                    break
+                reclaimer.reclaim_oldest()
         return self.pool.allocate(n)
 
     def _order_copy(self, src: int, dst: int, num_tokens: int) -> None:
@@ -372,6 +455,8 @@ class PrefixCache:
         for copy in self._pending_copies + self._in_flight_copies:
             refs[copy.src] += 1
             holds[copy.src] += 1
+        refs.update(self._caller_blocks)
+        holds.update(self._caller_blocks)
         subtree_locks: dict[int, int] = {}
         for node in sorted(self.tree.iter_nodes(all_namespaces=True), key=lambda n: -n.start):
             refs.update(node.block_ids)

@@ -453,6 +453,44 @@ class RadixTree:
             freed += dropped
         return freed
 
+    def replace_inner_blocks(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
+                             block_ids: Sequence[int],
+                             replace: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+        """Along the cached path of ``tokens``, where a node lists for a whole block inside
+        its own token run (listed by no other node) another block than ``block_ids``
+        does and ``replace(listed, own)`` says so, the node lists ``block_ids``' block
+        instead (which must be referenced, and hold the same tokens' KV). Returns the
+        (old, new) pairs. O(depth + blocks of the path)."""
+        num_tokens, node = self.lookup(tokens, namespace, touch=False)
+        bs, swapped = self.block_size, []
+        while not node.is_root:
+            first, end = node.start // bs, min(node.end, num_tokens)
+            for k, old in enumerate(node.block_ids.tolist()):
+                i = first + k
+                if i * bs < node.start or (i + 1) * bs > end:
+                    continue
+                new = int(block_ids[i])
+                if old != new and replace(old, new):
+                    held = node.lock_ref > 0
+                    self._blocks.ref([new], hold=held)
+                    node.block_ids[k] = new
+                    self._blocks.unref([old], hold=held)
+                    swapped.append((old, new))
+            node = node.parent
+        return swapped
+
+    def use_stamp(self) -> int:
+        """A fresh stamp of the clock that orders the leaves' last uses. O(1)."""
+        return next(self._uses)
+
+    def first_victim_key(self) -> tuple[int, int, int, int] | None:
+        """(retained, priority, full tail, last use) of the leaf ``evict`` takes blocks
+        from first, or None when no leaf frees anything. O(1) plus the leaves skipped."""
+        for entry in self._evictable:
+            if not self._frees_nothing(entry[-1]):
+                return entry[:4]
+        return None
+
     def record_query(self, namespace: Hashable, num_query_tokens: int, num_hit_tokens: int) -> None:
         stats = self.stats.setdefault(namespace, NamespaceStats())
         stats.queries += 1
