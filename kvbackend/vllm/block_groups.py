@@ -17,6 +17,11 @@ block) covers physical blocks 0 .. num_groups - 1, vLLM's null block among them.
 The tier connector names a tier block by its logical id (``LogicalBlockIds``): a
 tier block holds its physical block in every group.
 
+A model with one full-attention group and sliding-window groups, served without
+a KV connector, frees the sliding-window blocks no window reaches instead
+(``WindowedBlockGroups``): there a logical block is its full-attention block, and
+its sliding-window pages come from ``WindowPages``.
+
 Invariants: the physical ids of distinct (logical, group) pairs are distinct and
 below ``num_logical * num_groups <= num_physical``.
 """
@@ -27,6 +32,8 @@ from collections.abc import Iterable, Sequence
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+
+from kvbackend.core.window_pages import WindowPages
 
 
 class BlockGroups:
@@ -42,8 +49,9 @@ class BlockGroups:
     def physical(self, logical: int, group: int) -> int:
         return logical * self.num_groups + group
 
-    def as_blocks(self, logical_ids: Iterable[int]) -> KVCacheBlocks:
-        """One block list per group, in the order of ``logical_ids``. O(groups * blocks)."""
+    def as_blocks(self, logical_ids: Iterable[int], first_in_window: int = 0) -> KVCacheBlocks:
+        """One block list per group, in the order of ``logical_ids`` (every group keeps
+        every block: ``first_in_window`` does not apply). O(groups * blocks)."""
         logical_ids = list(logical_ids)
         objects, g = self._objects, self.num_groups
         return KVCacheBlocks(tuple([objects[b * g + group] for b in logical_ids]
@@ -83,3 +91,44 @@ class LogicalBlockIds(Sequence[int]):
                 raise ValueError(f"KV-cache group {group}'s blocks are not those of group 0 "
                                  f"plus {group} (a block table kvbackend's manager did not "
                                  "make)")
+
+
+class WindowedBlockGroups:
+    """Logical blocks of a model with one full-attention group and sliding-window groups
+    whose blocks are freed once out of every window (``WindowPages``): a logical block
+    is its physical block in the full-attention group, and its physical block in a
+    sliding-window group is its page there, or vLLM's null block (0) where the
+    request's window no longer reaches it. O(1) per block and group."""
+
+    def __init__(self, num_physical_blocks: int, full_group: int, window_groups: Sequence[int],
+                 windows: WindowPages) -> None:
+        self.num_groups = 1 + len(window_groups)
+        self.num_logical = num_physical_blocks
+        self.full_group, self.windows = full_group, windows
+        self._window_index = {group: k for k, group in enumerate(window_groups)}
+        self._objects = [KVCacheBlock(i) for i in range(num_physical_blocks)]
+
+    def physical(self, logical: int, group: int) -> int:
+        if group == self.full_group:
+            return logical
+        return self.windows.pages(logical)[self._window_index[group]]
+
+    def as_blocks(self, logical_ids: Iterable[int], first_in_window: int = 0) -> KVCacheBlocks:
+        """One block list per group; in the sliding-window groups the blocks before index
+        ``first_in_window`` are the null block. O(groups * blocks)."""
+        logical_ids, objects = list(logical_ids), self._objects
+        per_group = []
+        for group in range(self.num_groups):
+            if group == self.full_group:
+                per_group.append([objects[b] for b in logical_ids])
+                continue
+            k = self._window_index[group]
+            per_group.append([objects[0]] * min(first_in_window, len(logical_ids)) + [
+                objects[self.windows.pages(b)[k]] for b in logical_ids[first_in_window:]])
+        return KVCacheBlocks(tuple(per_group))
+
+    def copies(self, pairs: Iterable[tuple[int, int]]) -> list[KVCacheBlockCopy]:
+        """A logical (src, dst) copy is one physical copy per group (both blocks have
+        their sliding-window pages: a copy's source is held until it ran)."""
+        return [KVCacheBlockCopy(self.physical(src, group), self.physical(dst, group))
+                for src, dst in pairs for group in range(self.num_groups)]

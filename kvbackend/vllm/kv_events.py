@@ -14,10 +14,13 @@ groups every event is published once per group, with its ``group_idx`` and the
 group's ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window`` (``EventGroup``),
 as vLLM's prefix caching does:
 
-- attention groups (full and sliding-window): kvbackend keeps every group's blocks
-  for the whole prefix and announces them all; vLLM announces only the blocks a
-  sliding window still reaches when it caches them (an event whose ``token_ids``
-  span the whole range), so kvbackend's announcements cover vLLM's, hash for hash;
+- attention groups (full and sliding-window): kvbackend announces every group's
+  blocks of the whole prefix when it caches them; vLLM announces only the blocks a
+  sliding window still reaches (an event whose ``token_ids`` span the whole
+  range), so kvbackend's announcements cover vLLM's, hash for hash. Where a
+  block's sliding-window pages are freed once out of every window
+  (``WindowPages``), it is announced removed in those groups then
+  (``window_removed``), and in the others when it leaves the cache;
 - state groups (Mamba / linear attention, "align" mode): a block's state page is
   announced only once it holds a state checkpoint (``state_written``: a step ended
   on its last token, or a checkpoint is copied into it), as vLLM announces only
@@ -138,6 +141,7 @@ class BlockEvents:
         self._waiting: dict[int, dict[_Copy, None]] = {}  # device block id -> its copies
         self._waits_on: dict[_Copy, int] = {}  # copy -> the device block it waits for
         self._events: list[KVCacheEvent] = []
+        self._windows_removed: set[int] = set()  # announced, gone from sliding-window groups
 
     # ---------------------------------------------------------------- device
     def stored(self, request: Request, tokens: Any, block_ids: list[int], first: int,
@@ -183,10 +187,34 @@ class BlockEvents:
             if announced is not None:
                 removed = BlockRemoved(block_hashes=announced.event.block_hashes,
                                        medium=MEDIUM_GPU)
-                self._emit(removed)
+                gone = block_id in self._windows_removed
+                self._windows_removed.discard(block_id)
+                self._emit(removed, windows=False if gone else None)
                 if block_id in self.state_announced:
                     self.state_announced.discard(block_id)
                     self._emit(removed, state=True)
+
+    def window_removed(self, block_id: int) -> None:
+        """Device block ``block_id`` left the sliding-window groups (their pages were freed
+        once out of every window: ``WindowPages``) and stays in the others: removed there.
+        Not announced, or removed there already: nothing."""
+        announced = self.announced.get(block_id)
+        if announced is not None and block_id not in self._windows_removed:
+            self._windows_removed.add(block_id)
+            self._emit(BlockRemoved(block_hashes=announced.event.block_hashes,
+                                    medium=MEDIUM_GPU), windows=True)
+
+    def adopted(self, old: int, new: int) -> None:
+        """The tree lists device block ``new`` instead of ``old`` for the same tokens
+        (``old`` had lost its sliding-window pages, ``new`` has them): ``old``'s
+        announcement moves to ``new``, in the sliding-window groups again."""
+        announced = self.announced.pop(old, None)
+        if announced is None or new in self.announced:
+            return
+        self.announced[new] = announced
+        if old in self._windows_removed:
+            self._windows_removed.discard(old)
+            self._emit(announced.event, windows=True)
 
     def state_written(self, block_id: int) -> None:
         """Device block ``block_id``'s state page holds a state checkpoint (a step ends
@@ -204,6 +232,7 @@ class BlockEvents:
         ``AllBlocksCleared`` names no medium, so the tier copies still held are
         announced again after it."""
         self.announced.clear()
+        self._windows_removed.clear()
         self.state_announced.clear()
         self._state_due.clear()
         self._events.append(AllBlocksCleared())
@@ -274,6 +303,9 @@ class BlockEvents:
         both = set(waiting) & set(self.tier_copies)
         if both:
             raise RuntimeError(f"tier copies {sorted(both)[:3]} both wait and are announced")
+        if not self._windows_removed <= self.announced.keys():
+            raise RuntimeError("a block is removed from the sliding-window groups but not "
+                               "announced")
         if not self.state_announced <= self.announced.keys():
             raise RuntimeError("a state page is announced for a block that is not")
         if self._state_due & self.announced.keys():
@@ -301,11 +333,14 @@ class BlockEvents:
         self.state_announced.add(block_id)
         self._emit(self.announced[block_id].event, state=True)
 
-    def _emit(self, event: BlockStored | BlockRemoved, state: bool = False) -> None:
-        """``event`` (of a logical block) once per attention group, or per state group.
+    def _emit(self, event: BlockStored | BlockRemoved, state: bool = False,
+              windows: bool | None = None) -> None:
+        """``event`` (of a logical block) once per attention group, or per state group;
+        ``windows`` True: in the sliding-window groups only, False: in the others only.
         O(groups)."""
         for index, group in enumerate(self.groups):
-            if group.holds_state != state:
+            if group.holds_state != state or (
+                    windows is not None and windows != (group.sliding_window is not None)):
                 continue
             if isinstance(event, BlockStored):
                 self._events.append(msgspec.structs.replace(

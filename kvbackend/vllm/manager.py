@@ -61,23 +61,41 @@ past ``num_computed_tokens``, which the tree never lists and the next step
 overwrites (``tests/vllm/test_spec_decode.py`` checks the tree after every step).
 
 Several KV-cache groups (interleaved sliding-window and full attention, e.g.
-Gemma 2/3): every group's blocks are cached along the same token boundaries,
-one logical block of the tree being one physical block per group
-(``block_groups.py``). A hit is valid where every group has what vLLM's
-``HybridKVCacheCoordinator`` requires -- full-attention groups the whole prefix,
-sliding-window groups the last window -- and since no group ever drops a block
-of a live or cached sequence, every group has the whole prefix: token-exact
-hits and copy-on-write (one copy per group) carry over unchanged. The price is
-memory: vLLM frees the blocks of a running request that fell out of every
-window (``remove_skipped_blocks``, replacing them by the null block), kvbackend
-keeps them, so a long sliding-window request holds as many blocks as a full-
-attention one, and a hit is never limited by a freed window. Start-up refuses a
-``max_model_len`` whose blocks (all groups) do not fit the pool. kvbackend's
-tiers keep vLLM's several groups (the tier connector is ``SupportsHMA``): a tier
-block is one logical block, loaded into fresh blocks of every group; with several
-groups every tier hit loads asynchronously (``delay_cache_blocks``, published by
-``cache_blocks`` once done), since vLLM reports a failed load then per request,
-which it recomputes whole (``free``: nothing of it was published).
+Gemma 2/3): every group's blocks are cached along the same token boundaries. A
+hit is valid where every group has what vLLM's ``HybridKVCacheCoordinator``
+requires: full-attention groups the whole prefix, sliding-window groups the last
+window. Two layouts (``block_groups.py``):
+
+- one full-attention group and sliding-window groups, no KV connector
+  (``WindowedBlockGroups``): a logical block of the tree is the full-attention
+  group's block, and its pages in the sliding-window groups are further blocks
+  of the same pool (``WindowPages``), held while a live request's window reaches
+  the block. As vLLM's ``remove_skipped_blocks`` frees a request's blocks that
+  fell out of its windows (on the processed-token basis: in-flight steps still
+  read below the optimistic count), ``_advance_window`` stops holding their
+  pages; they stay cached (idle) until the pool needs them, and the pool takes
+  idle pages and the tree's blocks back in one least-recently-used order. The
+  request's table lists vLLM's null block in those groups before its window. A
+  hit is cut back to the longest prefix whose last window's blocks all have
+  their pages (``WindowPages.longest_hit``, O(blocks of the match)); the hit's
+  window blocks, and a partial hit's source until its copy ran, are held before
+  any block is handed out, so none of them is reclaimed under it. Copy-on-write
+  copies every group's page. A request thus holds its full-attention blocks and
+  a window's worth of pages per sliding-window group, as under vLLM's manager;
+  start-up refuses a ``max_model_len`` that cannot fit that (vLLM's admission
+  cap per sliding-window group).
+- otherwise (several full-attention groups, or with a KV connector: tiers save
+  and load whole blocks): one logical block is one physical block per group,
+  every group keeping every block of a live or cached sequence, so token-exact
+  hits and copy-on-write (one copy per group) carry over unchanged; a
+  sliding-window request then holds as many blocks as a full-attention one, and
+  start-up refuses a ``max_model_len`` whose blocks (all groups) do not fit the
+  pool. kvbackend's tiers keep vLLM's several groups (the tier connector is
+  ``SupportsHMA``): a tier block is one logical block, loaded into fresh blocks of
+  every group; with several groups every tier hit loads asynchronously
+  (``delay_cache_blocks``, published by ``cache_blocks`` once done), since vLLM
+  reports a failed load then per request, which it recomputes whole (``free``:
+  nothing of it was published).
 
 Mamba / linear-attention hybrids (Gated DeltaNet, Mamba): vLLM runs their state
 groups in ``mamba_cache_mode="align"`` (the plugin keeps vLLM's prefix-caching
@@ -178,7 +196,8 @@ when vLLM adds a public member that this table does not name):
                                                    copies of partial hits, one per group
     new_step_starts                    overridden  copies ran; step's writes are done
     evict_blocks                       overridden  checks no failed block is published
-    remove_skipped_blocks              overridden  every group keeps its blocks (above)
+    remove_skipped_blocks              overridden  stops holding the window pages a
+                                                   request's windows left (above)
     pop_blocks_for_free                overridden  deferred frees: refused (only for
                                                    connectors loading out of step order)
     finalize_partial_tail_offloads     overridden  Mamba "align" tail hand-offs to a
@@ -217,12 +236,15 @@ from typing import Any
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec,
+)
 from vllm.v1.request import Request, RequestStatus
 
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer, cdiv
 from kvbackend.core.miss_diagnosis import Admission
-from kvbackend.vllm.block_groups import BlockGroups
+from kvbackend.core.window_pages import WindowPages
+from kvbackend.vllm.block_groups import BlockGroups, WindowedBlockGroups
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.miss_log import MissLog
@@ -248,6 +270,7 @@ class _TrackedRequest:
     pin: bool = False
     retain_s: float = 0.0  # after the request finishes, keep its context ahead this long
     cacheable: bool = True  # False for multimodal / embedding prompts: token ids don't name them
+    window_start: int = 0  # blocks before it: out of the sliding windows (not held in them)
 
 
 class KVBackendManager(KVCacheManager):
@@ -256,25 +279,34 @@ class KVBackendManager(KVCacheManager):
     mode); block ids handed to the tree and pool are logical (``BlockGroups``)."""
 
     def __init__(self, *args: Any, backend_config: KVBackendConfig,
-                 kv_events: BlockEvents | None = None, **kwargs: Any) -> None:
+                 kv_events: BlockEvents | None = None, free_windows: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
-        self.groups = BlockGroups(self.kv_cache_config.num_blocks, self.num_kv_cache_groups)
-        self.watermark_blocks //= self.groups.num_groups  # vLLM counts physical blocks
-        self.cache = PrefixCache(self.groups.num_logical, self.block_size,
-                                 max_pinned_fraction=backend_config.max_pinned_fraction,
-                                 max_retained_fraction=backend_config.max_retained_fraction)
-        needed, usable = cdiv(self.max_model_len, self.block_size), self.cache.block_counts().usable
-        if self.groups.num_groups > 1 and usable < needed:
-            raise ValueError(
-                f"kvbackend keeps every KV-cache group's blocks for the whole context: a "
-                f"{self.max_model_len}-token request needs {needed} blocks in each of the "
-                f"{self.groups.num_groups} groups, the KV cache holds "
-                f"{usable}; lower max_model_len or give the KV "
-                "cache more memory")
+        self.kv_events = kv_events  # set with --kv-events-config
+        num_physical = self.kv_cache_config.num_blocks
+        full, windowed = _attention_groups(self.kv_cache_config) if free_windows else ([], [])
+        self.windows: WindowPages | None = None
+        if len(full) == 1 and windowed and len(full) + len(windowed) == self.num_kv_cache_groups:
+            self.cache = self._prefix_cache(num_physical, backend_config)
+            specs = [self.kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in windowed]
+            self.windows = WindowPages(self.cache, len(windowed),
+                                       max(spec.sliding_window for spec in specs),
+                                       on_dropped=self._window_dropped)
+            self.groups = WindowedBlockGroups(num_physical, full[0], windowed, self.windows)
+            in_flight = kwargs.get("max_in_flight_tokens") or self.max_model_len
+            window_blocks = max(spec.max_admission_blocks_per_request(in_flight, self.max_model_len)
+                                for spec in specs)
+        else:
+            self.groups = BlockGroups(num_physical, self.num_kv_cache_groups)
+            self.watermark_blocks //= self.groups.num_groups  # vLLM counts physical blocks
+            self.cache = self._prefix_cache(self.groups.num_logical, backend_config)
+            window_blocks = None
+        self._check_max_model_len(window_blocks)
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step = StepWrites(self.block_size)
+        self._copy_sources: list[int] = []  # partial hits' sources, their window pages held
         # request id -> (request, tokens, step end) scheduled this step, published by
         # _publish_scheduled
         self._scheduled: dict[str, tuple[Request, int, int]] = {}
@@ -283,7 +315,6 @@ class KVBackendManager(KVCacheManager):
                              if isinstance(group.kv_cache_spec, MambaSpec)]
         self.checkpoints = (StateCheckpoints(self.block_size, self.groups.num_logical)
                             if self.state_groups else None)
-        self.kv_events = kv_events  # set with --kv-events-config
         self.miss_log = (MissLog(backend_config.explain_misses, self.cache)
                          if backend_config.explain_misses else None)
         self.tier_hit_sources = None  # the tier connector's get_external_cache_hit_sources
@@ -308,6 +339,10 @@ class KVBackendManager(KVCacheManager):
             # A node higher on the path may hold its own, older copy of that block.
             fallback = max(match.node.start, match.num_full_blocks * self.block_size)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=fallback)
+        if self.windows is not None:  # the sliding-window layers read the last window
+            hit = self.windows.longest_hit(match.block_ids, match.num_tokens)
+            if hit != match.num_tokens:
+                match = self.cache.match(tokens, tracked.namespace, max_tokens=hit)
         junction = 0
         if self.checkpoints is not None:  # the state must resume from a checkpoint
             resumable = self.checkpoints.longest_hit(match.block_ids[: match.num_full_blocks])
@@ -318,8 +353,8 @@ class KVBackendManager(KVCacheManager):
                 junction = shared if shared > resumable else 0
                 match = self.cache.match(tokens, tracked.namespace, max_tokens=resumable)
         tracked.match = match
-        return (self._as_blocks(match.block_ids[: match.num_full_blocks]), match.num_tokens,
-                junction)
+        return (self._as_blocks(match.block_ids[: match.num_full_blocks],
+                                self._window_start(match.num_tokens)), match.num_tokens, junction)
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens under the request's locked node. O(1)."""
@@ -371,31 +406,38 @@ class KVBackendManager(KVCacheManager):
                 return None  # as vLLM: admitted next step, once the checkpoint is written
             needed = total if not full_sequence_must_fit else max(
                 total, min(request.num_tokens, self.max_model_len))
-            if cdiv(needed, self.block_size) - match.num_full_blocks > headroom:
+            num_new = cdiv(total, self.block_size) - match.num_full_blocks
+            if max(self._cost(num_new, num_new),
+                   self._cost(cdiv(needed, self.block_size) - match.num_full_blocks)) > headroom:
                 return None
             if self.miss_log is not None and request.num_preemptions <= 0:
                 self._explain_admission(request, tracked, match, num_external_computed_tokens)
-            seq = self.cache.open_sequence(match, total)
+            seq = self._open_sequence(tracked, match, total, num_new)
             if seq is None:
                 return None
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
             copied = match.num_partial_tokens  # slots this step's copy writes
-            tracked.sequence, tracked.match = seq, None
             self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
             self.hit_tokens += match.num_tokens
             new_block_ids = seq.block_ids  # all of them are new to the request's table
         else:
+            self._advance_window(tracked, max(0, computed - request.num_in_flight_tokens))
             num_new = cdiv(total, self.block_size) - len(seq.block_ids)
-            if num_new > headroom and not self._room_after_dropping_copies(num_new, margin):
+            cost = self._cost(num_new, num_new)
+            if cost > headroom and not self._room_after_dropping_copies(cost, margin):
                 return None
-            new_block_ids = allocated = self.cache.extend(seq, max(total, seq.num_tokens))
+            new_block_ids = allocated = self.cache.extend(
+                seq, max(total, seq.num_tokens), extra_blocks=self._pages_for(num_new))
             if new_block_ids is None:
                 return None
+            if self.windows is not None:
+                self.windows.give(allocated, seq.extra_block_ids)
             accessed, copied = (), 0
+        pages = seq.extra_block_ids  # the new blocks' sliding-window pages, if any
         if self.kv_events is not None:
-            self.kv_events.reused(allocated)
+            self.kv_events.reused(allocated + pages)
         if self.metrics_collector is not None:
-            self._record_residency(allocated, accessed)
+            self._record_residency(allocated + pages, accessed)
         if self.checkpoints is not None:
             self.checkpoints.forget(allocated)
         end = computed + num_new_tokens
@@ -407,7 +449,8 @@ class KVBackendManager(KVCacheManager):
         tracked.loading = delay_cache_blocks
         if not num_external_computed_tokens:  # else: published once the load is known good
             self._scheduled[request.request_id] = (request, min(end, request.num_tokens), end)
-        return self._as_blocks(new_block_ids)
+        first_in_window = tracked.window_start if new_block_ids is seq.block_ids else 0
+        return self._as_blocks(new_block_ids, first_in_window)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish what is known computed (a load's output, failed blocks included, is in).
@@ -430,6 +473,8 @@ class KVBackendManager(KVCacheManager):
             return
         if not tracked.loading:  # aborted while its load ran: its tokens may be bad
             self._publish(request, tracked, request.num_computed_tokens, force=True)
+        if self.windows is not None:
+            self.windows.unhold(tracked.sequence.block_ids[tracked.window_start:])
         retain_s = tracked.retain_s if tracked.cacheable and request.is_finished() else 0
         self.cache.release(tracked.sequence, retain_s=retain_s)
 
@@ -453,7 +498,11 @@ class KVBackendManager(KVCacheManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        """Nothing to free: every group keeps the blocks that left its window."""
+        """The blocks no sliding window of the request reaches any more stop being held in
+        those groups (``WindowPages``; without it every group keeps them). O(blocks)."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            self._advance_window(tracked, processed_computed_tokens)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         """Mamba "align" partial tails handed to a KV connector: none (connectors are
@@ -499,7 +548,7 @@ class KVBackendManager(KVCacheManager):
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.sequence is None:
             return self.empty_kv_cache_blocks
-        return self._as_blocks(tracked.sequence.block_ids)
+        return self._as_blocks(tracked.sequence.block_ids, tracked.window_start)
 
     @property
     def usage(self) -> float:
@@ -534,6 +583,9 @@ class KVBackendManager(KVCacheManager):
             raise RuntimeError(f"{len(self._scheduled)} request(s) scheduled in the previous "
                                "step were never published; this indicates a bug")
         super().new_step_starts()
+        if self.windows is not None:  # before the copies' own holds: they may free them
+            self.windows.unhold(self._copy_sources)
+            self._copy_sources.clear()
         self.cache.complete_block_copies()  # the previous step, and its copies, have run
         self.cache.drop_redundant_copies()
         if self.checkpoints is not None:
@@ -555,7 +607,8 @@ class KVBackendManager(KVCacheManager):
     def _admission_match(self, request: Request, tracked: _TrackedRequest, hit: int) -> PrefixMatch:
         """The match ``get_computed_blocks`` returned, re-taken if the tree moved since."""
         match = tracked.match
-        if match is None or match.num_tokens != hit or not self.cache.is_current(match):
+        if (match is None or match.num_tokens != hit or not self.cache.is_current(match)
+                or self.windows is not None):  # (a publish may have replaced its blocks)
             tokens = tracked.tokens.sync(request.all_token_ids)
             match = self.cache.match(tokens, tracked.namespace, max_tokens=hit)
             if match.num_tokens != hit:
@@ -567,6 +620,10 @@ class KVBackendManager(KVCacheManager):
             raise RuntimeError(f"request {request.request_id}: the scheduler adopted {hit} "
                                "cached tokens, which do not end on a state checkpoint; this "
                                "indicates a bug")
+        if self.windows is not None and self.windows.longest_hit(match.block_ids, hit) != hit:
+            raise RuntimeError(f"request {request.request_id}: the scheduler adopted {hit} "
+                               "cached tokens, whose last window lost its sliding-window pages; "
+                               "this indicates a bug")
         return match
 
     def _record_residency(self, allocated, accessed) -> None:
@@ -657,6 +714,8 @@ class KVBackendManager(KVCacheManager):
             return
         tokens = tracked.tokens.sync(request.all_token_ids)[:num_tokens]
         num_new = self.cache.cache(tracked.sequence, tokens, priority=tracked.priority)
+        if self.windows is not None and num_new < num_tokens - done:
+            self._adopt_window_pages(tracked.sequence, tokens)
         if self.kv_events is not None and num_new:
             self.kv_events.stored(request, tokens, tracked.sequence.block_ids,
                                   (num_tokens - num_new) // self.block_size,
@@ -670,6 +729,114 @@ class KVBackendManager(KVCacheManager):
                                "prompt would exceed max_pinned_fraction", request.request_id,
                                request.num_prompt_tokens)
 
-    def _as_blocks(self, block_ids) -> KVCacheBlocks:
-        return self.groups.as_blocks(block_ids) if block_ids else self.empty_kv_cache_blocks
+    def _as_blocks(self, block_ids, first_in_window: int = 0) -> KVCacheBlocks:
+        if not block_ids:
+            return self.empty_kv_cache_blocks
+        return self.groups.as_blocks(block_ids, first_in_window)
 
+    # ------------------------------------------------------ sliding windows
+    def _prefix_cache(self, num_blocks: int, config: KVBackendConfig) -> PrefixCache:
+        return PrefixCache(num_blocks, self.block_size,
+                           max_pinned_fraction=config.max_pinned_fraction,
+                           max_retained_fraction=config.max_retained_fraction)
+
+    def _check_max_model_len(self, window_blocks: int | None) -> None:
+        """Refuse a ``max_model_len`` whose request could never fit the pool alone: its
+        blocks in every group, or with ``WindowPages`` its full-attention blocks and at
+        most ``window_blocks`` (vLLM's admission cap) in each sliding-window group."""
+        needed, usable = cdiv(self.max_model_len, self.block_size), self.cache.block_counts().usable
+        if self.windows is not None:
+            pages = self.windows.num_groups * min(needed, window_blocks)
+            if needed + pages > usable:
+                raise ValueError(
+                    f"a {self.max_model_len}-token request needs {needed} blocks in the "
+                    f"full-attention group and up to {pages} in the {self.windows.num_groups} "
+                    f"sliding-window groups, the KV cache holds {usable}; lower max_model_len "
+                    "or give the KV cache more memory")
+        elif self.groups.num_groups > 1 and usable < needed:
+            raise ValueError(
+                f"kvbackend keeps every KV-cache group's blocks for the whole context: a "
+                f"{self.max_model_len}-token request needs {needed} blocks in each of the "
+                f"{self.groups.num_groups} groups, the KV cache holds "
+                f"{usable}; lower max_model_len or give the KV "
+                "cache more memory")
+        self._window_blocks = window_blocks or 0
+
+    def _pages_for(self, num_blocks: int) -> int:
+        """Sliding-window pages that ``num_blocks`` new blocks come with."""
+        return self.windows.num_groups * max(num_blocks, 0) if self.windows is not None else 0
+
+    def _cost(self, num_blocks: int, num_in_window: int | None = None) -> int:
+        """Pool blocks that ``num_blocks`` new blocks take, ``num_in_window`` of them (by
+        default: at most vLLM's admission cap) with their sliding-window pages."""
+        if num_in_window is None:
+            num_in_window = min(num_blocks, self._window_blocks)
+        return num_blocks + self._pages_for(num_in_window)
+
+    def _window_start(self, num_tokens: int) -> int:
+        return self.windows.window_start(num_tokens) if self.windows is not None else 0
+
+    def _open_sequence(self, tracked: _TrackedRequest, match: PrefixMatch, total: int,
+                       num_new: int) -> Sequence | None:
+        """``PrefixCache.open_sequence``, the new blocks with their sliding-window pages:
+        the hit's blocks in the window are held before the pool hands out blocks (so it
+        cannot reclaim them), and a partial hit's source until its copy ran."""
+        start = self._window_start(match.num_tokens)
+        in_window = list(match.block_ids[start: match.num_full_blocks])
+        source = [match.block_ids[-1]] if match.num_partial_tokens else []
+        if self.windows is not None:
+            self.windows.hold(in_window + source)
+        seq = self.cache.open_sequence(match, total, extra_blocks=self._pages_for(num_new))
+        if self.windows is not None:
+            if seq is None:
+                self.windows.unhold(in_window + source)
+                return None
+            self.windows.give(seq.block_ids[match.num_full_blocks:], seq.extra_block_ids)
+            self._copy_sources += source
+        if seq is not None:
+            tracked.sequence, tracked.match, tracked.window_start = seq, None, start
+        return seq
+
+    def _advance_window(self, tracked: _TrackedRequest, num_processed: int) -> None:
+        """Stop holding the pages of the blocks that left the request's sliding windows
+        (vLLM's ``remove_skipped_blocks``: from ``num_processed`` computed tokens, those
+        of in-flight steps excluded). O(blocks left)."""
+        seq = tracked.sequence
+        if self.windows is None or seq is None:
+            return
+        start = min(self.windows.window_start(num_processed), len(seq.block_ids))
+        if start > tracked.window_start:
+            self.windows.unhold(seq.block_ids[tracked.window_start:start])
+            tracked.window_start = start
+
+    def _adopt_window_pages(self, seq: Sequence, tokens) -> None:
+        """Tokens ``seq`` published were cached already, under blocks that lost their
+        sliding-window pages (a hit there was cut back, so ``seq`` recomputed them): the
+        tree takes ``seq``'s blocks, which have them, so hits there come back (vLLM
+        caches a recomputed block likewise). O(depth + blocks)."""
+        has_pages = self.windows.has_pages
+        for old, new in self.cache.replace_blocks(
+                seq, tokens, lambda old, new: not has_pages(old) and has_pages(new)):
+            if self.kv_events is not None:
+                self.kv_events.adopted(old, new)
+
+    def _window_dropped(self, block_id: int) -> None:
+        """``WindowPages`` freed ``block_id``'s idle sliding-window pages."""
+        if self.kv_events is not None:
+            self.kv_events.window_removed(block_id)
+
+
+def _attention_groups(config: KVCacheConfig) -> tuple[list[int], list[int]]:
+    """The full-attention and the sliding-window groups, or none of either when another
+    kind of group (state, chunked local attention, ...) is present."""
+    full: list[int] = []
+    windowed: list[int] = []
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windowed.append(g)
+        elif isinstance(spec, FullAttentionSpec):
+            full.append(g)
+        else:
+            return [], []
+    return full, windowed

@@ -147,6 +147,7 @@ class KVBackendScheduler(Scheduler):
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
+            free_windows=self.connector is None,  # tiers save and load whole blocks
             kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo, self.block_size,
                                   event_groups(self.kv_cache_config))
             if self.enable_kv_cache_events else None,

@@ -33,6 +33,12 @@ holds the id of the prefix its state summarizes; a request resuming at position 
 find the state of its own first p tokens there, so a hit on a block no step ended on,
 or one written in that same step, fails at once.
 
+With ``window`` the model also has a sliding-window group: every token's KV is written
+in both groups' blocks, and a step's queries from position ``start`` on read the window
+group's slots from ``start - window + 1`` on only (its table holds vLLM's null block
+before the request's window). ``check_published`` checks the window pages that
+published blocks still have.
+
 With kvbackend's tiers configured, the worker-role tier connector (real
 ``TierWorker``, ``HostTier``, ``DiskTier``) moves those bytes in the model runner's
 order: loads before the forward pass when the step has synchronous ones, else after
@@ -53,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -115,7 +121,7 @@ class PrefixIds:
 class _WorkerRequest:
     prompt: list[int]
     blocks: list[int] = field(default_factory=list)
-    state_blocks: list[int] = field(default_factory=list)  # the state group's table
+    second: list[int] = field(default_factory=list)  # the state or sliding-window group's
     prefix_ids: list[int] = field(default_factory=list)  # id of tokens[:p + 1] at p
     # The first position whose KV the worker has not written validly. The scheduler's count
     # runs ahead of it by the rejected drafts of steps whose output it had not seen yet.
@@ -127,8 +133,9 @@ class ContentWorker:
     ``connector``: the worker-role tier connector, or None."""
 
     def __init__(self, block_size: int, num_blocks: int, connector=None,
-                 state_layers: bool = False, accept=None, max_drafts: int = 0) -> None:
-        self.block_size = block_size
+                 state_layers: bool = False, accept=None, max_drafts: int = 0,
+                 window: int | None = None) -> None:
+        self.block_size, self.window = block_size, window
         # speculative decoding: (request, first draft's position, drafts) -> drafts accepted
         self.accept, self.max_drafts = accept, max_drafts
         self.drafts = self.accepted = 0  # draft tokens run, and kept
@@ -191,7 +198,7 @@ class ContentWorker:
                                                            *map(list, new_ids))
             elif new_ids is not None:
                 for table, ids in zip((self.requests[request_id].blocks,
-                                       self.requests[request_id].state_blocks), new_ids):
+                                       self.requests[request_id].second), new_ids):
                     table.extend(ids)
             scheduled = cached.num_computed_tokens[i]
             valid = self.requests[request_id].next_position
@@ -219,26 +226,31 @@ class ContentWorker:
         computed = self._verify_drafts(out, starts)
         written: dict[tuple[int, int], str] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            blocks, valid = self.requests[request_id].blocks, computed[request_id][1]
+            tables, valid = self._attention_tables(request_id), computed[request_id][1]
             end = starts[request_id] + num_tokens
-            assert len(blocks) * bs >= end, f"{request_id}: {len(blocks)} blocks for {end} tokens"
+            for blocks in tables:
+                assert len(blocks) * bs >= end, (
+                    f"{request_id}: {len(blocks)} blocks for {end} tokens")
             for p in range(starts[request_id], end):
-                slot = (blocks[p // bs], p % bs)
-                assert written.setdefault(slot, request_id) == request_id, (
-                    f"step writes slot {slot} for {written[slot]} and {request_id}")
-                self.kv[:, slot[0], :, slot[1]] = (self.prefix_id(request_id, p) if p < valid
-                                                   else GARBAGE)
+                for blocks in tables:
+                    slot = (blocks[p // bs], p % bs)
+                    assert slot[0] != 0 and written.setdefault(slot, request_id) == request_id, (
+                        f"step writes slot {slot} for {written[slot]} and {request_id}")
+                    self.kv[:, slot[0], :, slot[1]] = (self.prefix_id(request_id, p)
+                                                       if p < valid else GARBAGE)
         poisoned = set()
         for request_id in out.num_scheduled_tokens:
-            blocks = self.requests[request_id].blocks
-            for p in range(computed[request_id][1]):
-                if blocks[p // bs] in failed:
-                    poisoned.add(request_id)
-                    continue
-                held = self.slot(blocks[p // bs], p % bs)
-                assert held == self.prefix_id(request_id, p), (
-                    f"{request_id} reads position {p} (block {blocks[p // bs]}), which holds "
-                    f"KV of another prefix or none (computed from {starts[request_id]})")
+            for blocks, first in zip(self._attention_tables(request_id),
+                                     (0, max(0, starts[request_id] - (self.window or 0) + 1))):
+                for p in range(first, computed[request_id][1]):
+                    if blocks[p // bs] in failed:
+                        poisoned.add(request_id)
+                        continue
+                    held = self.slot(blocks[p // bs], p % bs)
+                    assert held == self.prefix_id(request_id, p), (
+                        f"{request_id} reads position {p} (block {blocks[p // bs]}), which "
+                        f"holds KV of another prefix or none (computed from "
+                        f"{starts[request_id]})")
         if connector is None:
             return computed, poisoned, None
         if not out.has_sync_kv_loads:
@@ -251,6 +263,11 @@ class ContentWorker:
                                    invalid_block_ids=failed)
         connector.clear_connector_metadata()
         return computed, poisoned, None if result.is_empty() else result
+
+    def _attention_tables(self, request_id: str) -> list[list[int]]:
+        """The request's full-attention table, and its sliding-window one with ``window``."""
+        request = self.requests[request_id]
+        return [request.blocks] + ([request.second] if self.window else [])
 
     def _verify_drafts(self, out: SchedulerOutput,
                        starts: dict[str, int]) -> dict[str, tuple[int, int]]:
@@ -270,7 +287,7 @@ class ContentWorker:
         """The state group's step: every request's copy (checked), then every update."""
         bs, updates = self.block_size, []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            table, start = self.requests[request_id].state_blocks, starts[request_id]
+            table, start = self.requests[request_id].second, starts[request_id]
             previous = self.state_index.get(request_id, (start - 1) // bs)
             current = (start + num_tokens + bs - 1) // bs - 1
             self.state_index[request_id] = current
@@ -296,7 +313,7 @@ class AsyncHarness:
     ``vllm_config`` selects it."""
 
     def __init__(self, vllm_config, *, num_blocks: int, tiers: dict | None = None,
-                 state_layers: bool = False, seed: int = 0) -> None:
+                 state_layers: bool = False, window: int | None = None, seed: int = 0) -> None:
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         if tiers is not None:
             vllm_config.kv_transfer_config.kv_connector_extra_config = dict(tiers)
@@ -309,6 +326,10 @@ class AsyncHarness:
             groups.append(KVCacheGroupSpec(["state"], MambaSpec(
                 block_size=block_size, shapes=((HEAD_SIZE,),), dtypes=(torch.float32,),
                 mamba_cache_mode="align")))
+        if window:
+            groups.append(KVCacheGroupSpec(["swa"], SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                dtype=torch.float32, sliding_window=window)))
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                         kv_cache_groups=groups)
         self.scheduler = KVBackendScheduler(
@@ -320,7 +341,8 @@ class AsyncHarness:
         self.worker = ContentWorker(block_size, num_blocks, connector, state_layers,
                                     accept=lambda request_id, position, drafts: rng.randint(
                                         0, drafts),
-                                    max_drafts=vllm_config.num_speculative_tokens)
+                                    max_drafts=vllm_config.num_speculative_tokens,
+                                    window=window)
         self.requests: dict[str, Request] = {}
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
@@ -400,6 +422,11 @@ class AsyncHarness:
             match = manager.cache.match(tokens, request_namespace(request), touch=False)
             ids = self.worker.prefixes.of(tokens[:match.num_tokens])
             for p, prefix_id in enumerate(ids):
-                block_id = manager.groups.physical(match.block_ids[p // bs], 0)
-                assert self.worker.slot(block_id, p % bs) == prefix_id, (
-                    f"published block {block_id} does not hold {request_id}'s position {p}")
+                logical = match.block_ids[p // bs]
+                groups = [0] + ([1] if self.worker.window and manager.windows.has_pages(logical)
+                                else [])
+                for group in groups:
+                    block_id = manager.groups.physical(logical, group)
+                    assert self.worker.slot(block_id, p % bs) == prefix_id, (
+                        f"published block {block_id} (group {group}) does not hold "
+                        f"{request_id}'s position {p}")

@@ -155,3 +155,49 @@ class HybridBlockEventsMachine(BlockEventsMachine):
 
 
 TestHybridBlockEvents = HybridBlockEventsMachine.TestCase
+
+
+class WindowedBlockEventsMachine(BlockEventsMachine):
+    """As above with a full-attention group (0) and a sliding-window group (1) whose pages
+    are freed once out of every window: a device block is held in group 1 while it is
+    announced and its window pages were not freed since it was stored."""
+
+    groups = (EventGroup("full_attention"), EventGroup("sliding_window", sliding_window=8))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.windowed: set[int] = set()  # announced blocks that still have window pages
+
+    @rule(block=blocks)
+    def device_store(self, block: int) -> None:
+        announced = block in self.device
+        super().device_store(block)
+        if not announced:
+            self.windowed.add(block)
+
+    @rule(block=blocks)
+    def window_pages_freed(self, block: int) -> None:
+        self.events.window_removed(block)
+        self.windowed.discard(block)
+
+    @rule(block=blocks)
+    def device_reuse(self, block: int) -> None:
+        super().device_reuse(block)
+        self.windowed.discard(block)
+
+    @rule()
+    def device_clear(self) -> None:
+        super().device_clear()
+        self.windowed.clear()
+
+    @invariant()
+    def router_sees_what_is_held(self) -> None:
+        self.events.check_invariants()
+        self._take()
+        full, window = held_by_tier(self.in_group(0)), held_by_tier(self.in_group(1))
+        assert full.get((MEDIUM_GPU, None), set()) == {self.hashes[b] for b in self.device}
+        assert window.get((MEDIUM_GPU, None), set()) == {
+            self.hashes[b] for b in self.device & self.windowed}
+
+
+TestWindowedBlockEvents = WindowedBlockEventsMachine.TestCase

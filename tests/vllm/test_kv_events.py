@@ -161,7 +161,10 @@ def test_a_hybrids_state_group_is_announced_where_it_holds_checkpoints_as_vllm_d
     ours, theirs = (by_hash(announced_blocks(model, mode, f"ipc://{tmp_path}/{mode}",
                                              [[p] for p in prompts], **QWEN3_NEXT))
                     for mode in ("kvbackend", "vllm-apc"))
-    check_covers(ours, theirs, STATE_BLOCK)
+    # 288 tokens, or more where vLLM keeps the state in float32 (its accelerated GDN backend)
+    block = len(next(tokens for _, tokens, _ in theirs.values() if tokens is not None))
+    assert block >= STATE_BLOCK
+    check_covers(ours, theirs, block)
     state = {key for key, (_, _, spec) in ours.items() if spec[0] == "mamba"}
     assert state == {key for key, (_, _, spec) in theirs.items() if spec[0] == "mamba"}
     assert {group for group, _ in state} == {0}

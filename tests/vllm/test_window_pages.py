@@ -1,0 +1,125 @@
+"""kvbackend frees the sliding-window pages no window reaches, on vLLM's real scheduler.
+
+A model with a full-attention group and a sliding-window group (``AsyncHarness`` with
+``window``; a 6-token window over 4-token blocks): a block keeps its sliding-window
+page while a live request's window reaches it, then while the pool has room.
+``ContentWorker`` writes every token in both groups and reads the window group only
+inside each query's window, failing on any slot that does not hold the reader's own
+prefix; ``check_published`` checks every window page a published block still has.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+
+from kvbackend.vllm.block_groups import WindowedBlockGroups
+from tests.vllm.async_harness import AsyncHarness, async_config
+from tests.vllm.test_async_scheduling import PREFIXES, HarnessMachine
+
+BLOCK_SIZE, WINDOW = 4, 6
+NUM_BLOCKS = 24  # pages of either group: 23 usable, the null block aside
+MAX_MODEL_LEN = 48  # 12 full-attention blocks and at most 6 window pages (16-token chunks)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model):
+    config = async_config(tiny_model, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+                          max_num_seqs=3)
+    config.model_config.max_model_len = config.scheduler_config.max_model_len = MAX_MODEL_LEN
+    return config
+
+
+def harness_for(config, mode: str) -> AsyncHarness:
+    chosen = copy.deepcopy(config)
+    chosen.scheduler_config.async_scheduling = mode == "async"
+    return AsyncHarness(chosen, num_blocks=NUM_BLOCKS, window=WINDOW)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_request_longer_than_every_groups_blocks_runs_in_a_window(config, mode):
+    """44 tokens take 11 blocks in each group, 22 with both: more than half the pool.
+    Each step frees the window pages its request's window left, so the request runs
+    alone holding its 11 full-attention blocks and at most 6 window pages, and the pages
+    it left stay cached (idle) until the pool needs them."""
+    harness = harness_for(config, mode)
+    manager = harness.scheduler.kv_cache_manager
+    assert isinstance(manager.groups, WindowedBlockGroups)
+    harness.add("long", list(range(1, 33)), max_tokens=12)
+    peak = 0
+    while harness.scheduler.has_unfinished_requests() or harness.in_flight:
+        if harness.in_flight and (len(harness.in_flight) == harness.max_in_flight
+                                  or not harness.scheduler.has_unfinished_requests()):
+            harness.deliver()
+        else:
+            harness.schedule()
+        held = manager.cache.block_counts().held - manager.windows.num_idle
+        peak = max(peak, held)
+        manager.windows.check_invariants()
+    assert harness.requests["long"].num_output_tokens == 12
+    assert peak <= 11 + 6
+    assert manager.windows.num_idle > 0
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_hit_stops_where_its_last_window_lost_its_pages(config, mode):
+    """a's 44 tokens are cached; its first blocks' window pages turned idle while it ran,
+    before its last chunks used its path. b then needs more than the free blocks: those
+    pages go first (least recently used), then a's tail. d continues all of a that is
+    cached and hits it all (its last window's pages are there). c shares the longest
+    prefix of a whose full-attention blocks are cached but whose window reads a block
+    without pages: it hits only up to where every block of its window still has them.
+    c recomputes the rest, and the tree takes c's blocks (which have their pages) for
+    those tokens, so e, sharing as much, hits at least their whole blocks. Every read is
+    checked."""
+    harness = harness_for(config, mode)
+    manager = harness.scheduler.kv_cache_manager
+    a = list(range(1, 45))
+    harness.add("a", a, max_tokens=1)
+    harness.run_to_end()
+    harness.add("b", list(range(50, 66)), max_tokens=1)
+    harness.run_to_end()
+    windows = manager.windows
+    cached = manager.cache.match(a, touch=False)
+    assert windows.longest_hit(cached.block_ids, cached.num_tokens) == cached.num_tokens > 20
+    hits = manager.hit_tokens
+    harness.add("d", a + [95], max_tokens=1)
+    harness.run_to_end()
+    assert manager.hit_tokens - hits == cached.num_tokens
+    cached = manager.cache.match(a, touch=False)
+    cut = [h for h in range(1, cached.num_tokens + 1)
+           if windows.longest_hit(cached.block_ids, h) < h]
+    assert cut, "b took none of a's idle window pages"
+    hit = windows.longest_hit(cached.block_ids, cut[-1])
+    assert hit % BLOCK_SIZE == 0
+    hits = manager.hit_tokens
+    harness.add("c", a[:cut[-1]] + [90, 91], max_tokens=2)
+    harness.run_to_end()
+    assert manager.hit_tokens - hits == hit
+    hits = manager.hit_tokens  # c recomputed those tokens: the tree took its blocks
+    harness.add("e", a[:cut[-1]] + [92, 93], max_tokens=2)
+    harness.run_to_end()
+    assert manager.hit_tokens - hits >= cut[-1] // BLOCK_SIZE * BLOCK_SIZE > hit
+
+
+def test_every_read_and_published_window_page_is_exact_stateful(config):
+    """The async scheduling machine on the model with a sliding-window group: arrivals
+    sharing prefixes, chunked prefills, preemption, aborts, one or two steps in flight;
+    after every step the cache's and the window pages' invariants hold."""
+
+    class WindowMachine(HarnessMachine):
+        @initialize(mode=st.sampled_from(["async", "async", "sync"]))
+        def start(self, mode):
+            self.harness = harness_for(config, mode)
+
+        @invariant()
+        def cache_and_windows_are_consistent(self):
+            manager = self.harness.scheduler.kv_cache_manager
+            manager.cache.check_invariants()
+            manager.windows.check_invariants()
+
+    WindowMachine.TestCase().runTest()
+
