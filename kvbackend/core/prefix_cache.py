@@ -14,8 +14,8 @@ Copies are not made here: ``take_block_copies`` hands ``BlockCopy`` orders to th
 engine, which runs them before the next forward pass, then calls
 ``complete_block_copies``; until then the source block is held.
 
-A caller may hold blocks outside any table (``allocate_blocks``, or ``extra_blocks``
-beside a sequence's new ones): another KV-cache group's pages of the sequence's
+A caller may hold blocks outside any table (``extra_blocks`` allocated beside a
+sequence's new ones): another KV-cache group's pages of the sequence's
 blocks, say. It frees them with ``free_blocks``; those it can give up on demand it
 names through its ``Reclaimer``, which ``_allocate`` interleaves with the tree's
 eviction in one least-recently-used order.
@@ -367,14 +367,6 @@ class PrefixCache:
         self.tree.evict(self.pool.num_blocks)
 
     # ---------------------------------------------------------- caller blocks
-    def allocate_blocks(self, n: int) -> list[int] | None:
-        """``n`` blocks held for the caller, outside any table, evicting as needed; None
-        (nothing taken) when the pool cannot supply them. O(n + evicted)."""
-        blocks = self._allocate(n)
-        if blocks is not None:
-            self._caller_blocks.update(blocks)
-        return blocks
-
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Return the caller's blocks to the pool. O(len(block_ids))."""
         block_ids = list(block_ids)
@@ -412,19 +404,26 @@ class PrefixCache:
             self.drop_redundant_copies()
         if n > self.num_allocatable_blocks:
             return None
-        reclaimer = self.reclaimer
-        if reclaimer is None:
+        if self.reclaimer is None:
             if n > self.pool.num_free:
                 self.tree.evict(n - self.pool.num_free)
-        while self.pool.num_free < n and reclaimer is not None:
+        else:
+            self._evict_or_reclaim(n)
+        return self.pool.allocate(n)
+
+    def _evict_or_reclaim(self, n: int) -> None:
+        """Free blocks until ``n`` are free: the tree's first victim or the reclaimer's
+        oldest, whichever comes first in the tree's eviction order. O(k log n) for k
+        blocks freed."""
+        reclaimer = self.reclaimer
+        while self.pool.num_free < n:
             oldest, victim = reclaimer.oldest_key(), self.tree.first_victim_key()
             if oldest is not None and (victim is None or oldest < victim):
                 reclaimer.reclaim_oldest()
             elif not self.tree.evict(1):
                 if oldest is None:
-                    break
+                    return
                 reclaimer.reclaim_oldest()
-        return self.pool.allocate(n)
 
     def _order_copy(self, src: int, dst: int, num_tokens: int) -> None:
         self.pool.ref([src], hold=True)
