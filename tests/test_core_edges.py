@@ -369,3 +369,21 @@ def test_retentions_sharing_a_prefix_count_it_once():
     assert retain_agent(3)  # 10 > 8: the oldest retention ends
     assert [r.node.path_tokens()[-1] for r in cache.tree.retentions] == [2, 3]
     assert cache.tree.num_retained_blocks == 8
+
+
+def test_a_node_taking_its_childs_copy_keeps_retained_blocks_within_the_bound():
+    """x's 8 tokens are retained: 2 blocks, the bound. y shares x's first 6, so the tree
+    splits x's entry there (the node [0, 6) and its child [6, 8) both list block 1) and
+    y's continuation copies block 1. Were the node to take y's copy, x's retained context
+    would list 3 distinct blocks (block 0, the copy, and block 1 through the child):
+    over the bound. It keeps its own (before: num_retained_blocks 3 > 2)."""
+    cache = PrefixCache(num_blocks=11, block_size=BS, max_retained_fraction=0.2)
+    x = list(range(1, 9))
+    seq = cache.open_sequence(cache.match(x), len(x))
+    cache.cache(seq, x)
+    assert cache.release(seq, retain_s=10)
+    y = x[:6] + [90, 91]
+    assert run(cache, y) == 6
+    cache.drop_redundant_copies()
+    cache.check_invariants()
+    assert cache.match(x).num_tokens == 8 and cache.match(y).num_tokens == 8

@@ -580,7 +580,9 @@ class RadixTree:
         their own blocks. A single child sharing the node's block keeps it as its own
         copy, which then is no longer held through the node (evictable once unlocked);
         with two sharing it the node keeps its block. (A descendant that starts inside
-        the block below a copying child may list it too: it counts as sharing.)
+        the block below a copying child may list it too: it counts as sharing.) Nor does
+        it swap where the retained blocks would exceed their bound (a retained sharer
+        keeps the node's block as well as the node taking the copy).
         Returns the blocks freed. O(nodes inside the block).
         """
         if node.is_root or not node.children or node.end % self.block_size == 0:
@@ -596,7 +598,13 @@ class RadixTree:
         held_before = sum(map(self._held_share, touched))
         self._blocks.ref(donor.block_ids[:1], hold=held)
         node.block_ids[-1] = donor.block_ids[0]
-        self._num_retained_blocks += sum(map(self._retained_share, touched)) - retained_before
+        retained = sum(map(self._retained_share, touched)) - retained_before
+        self._num_retained_blocks += retained
+        if not self._fits_retained():  # a retained sharer keeps ``own``: one block too many
+            node.block_ids[-1] = own[0]
+            self._num_retained_blocks -= retained
+            self._blocks.unref(donor.block_ids[:1], hold=held)
+            return 0
         self._num_held_blocks += sum(map(self._held_share, touched)) - held_before
         return self._blocks.unref(own, hold=held)
 
