@@ -8,7 +8,7 @@ the share cap on *distinct* retained blocks (recounted by brute force from the
 tree's nodes: a prefix several retentions share counts once), ending the
 retentions on a new one's path, and trimming by eviction.
 Before each single-block eviction it ranks the unlocked leaves by brute force --
-(retained by the model, priority, last use) -- and checks that the tree took
+(retained by the model, priority, a partial tail block first, last use) -- and checks that the tree took
 blocks from the lowest-ranked leaves only: every ordinary leaf before any retained
 one, and an expired retention exactly like an ordinary entry.
 """
@@ -95,7 +95,8 @@ class RetentionMachine(base.PrefixCacheMachine):
             if (len(node.block_ids) == 1 and node.start % BLOCK_SIZE and parent.lock_ref
                     and parent.block_ids[-1] == node.block_ids[0]):
                 continue  # its only block is its locked parent's
-            rank = (self.is_retained(node), node.priority, node.last_access, node.node_id)
+            rank = (self.is_retained(node), node.priority, node.end % BLOCK_SIZE == 0,
+                    node.last_access, node.node_id)
             ranked.append((rank, node, len(node.tokens)))
         return sorted(ranked, key=lambda entry: entry[0])
 
