@@ -140,7 +140,8 @@ def test_every_kv_cache_group_of_a_sliding_window_model_is_announced_as_vllm_doe
 
 STATE_BLOCK = 288  # the tiny Qwen3-Next's block, once vLLM fits a state page in one
 QWEN3_NEXT = dict(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=2048,
-                  max_num_batched_tokens=2048)
+                  max_num_batched_tokens=2048,
+                  mamba_ssm_cache_dtype="bfloat16")  # as test_state_hybrid.py: 288-token blocks
 
 
 def test_a_hybrids_state_group_is_announced_where_it_holds_checkpoints_as_vllm_does(
@@ -161,10 +162,7 @@ def test_a_hybrids_state_group_is_announced_where_it_holds_checkpoints_as_vllm_d
     ours, theirs = (by_hash(announced_blocks(model, mode, f"ipc://{tmp_path}/{mode}",
                                              [[p] for p in prompts], **QWEN3_NEXT))
                     for mode in ("kvbackend", "vllm-apc"))
-    # 288 tokens, or more where vLLM keeps the state in float32 (its accelerated GDN backend)
-    block = len(next(tokens for _, tokens, _ in theirs.values() if tokens is not None))
-    assert block >= STATE_BLOCK
-    check_covers(ours, theirs, block)
+    check_covers(ours, theirs, STATE_BLOCK)
     state = {key for key, (_, _, spec) in ours.items() if spec[0] == "mamba"}
     assert state == {key for key, (_, _, spec) in theirs.items() if spec[0] == "mamba"}
     assert {group for group, _ in state} == {0}

@@ -207,13 +207,24 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
         "KV-cache groups with different block sizes (one logical block spans every group)"]
 
 
-@pytest.mark.parametrize("num_blocks", [64, 20])
-def test_several_groups_are_served_when_every_group_holds_a_whole_request(tiny_model,
-                                                                          num_blocks):
-    """kvbackend keeps each group's blocks for the whole context: a 512-token request
-    needs 16 blocks per group; 20 blocks over 2 groups leave 9 (one is the null block)."""
+@pytest.mark.parametrize("num_blocks, batched, connector, refusal", [
+    (64, 8192, False, None),
+    (20, 8192, False, "needs 16 blocks in the full-attention group and up to 16 in the 1 "
+                      "sliding-window groups, the KV cache holds 19"),
+    (24, 64, False, None),
+    (24, 64, True, "needs 16 blocks in each of the 2 groups, the KV cache holds 11"),
+])
+def test_several_groups_are_served_where_a_whole_request_fits(tiny_model, num_blocks, batched,
+                                                              connector, refusal):
+    """A 512-token request takes 16 full-attention blocks (32 tokens each). Without a KV
+    connector its sliding-window pages (64-token window) are freed once out of the
+    window, so it holds at most vLLM's admission cap of them: all 16 with 8192-token
+    chunks, 4 with 64-token ones (cdiv(63 + 64, 32)), so 24 blocks serve it. With a
+    connector every group keeps every block: 24 blocks over 2 groups leave 11."""
     config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
-                        block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+                        block_size=BLOCK_SIZE, max_num_batched_tokens=batched,
+                        **engine_kwargs(**({"host_cache_gb": 0.01} if connector else {}))
+                        ).create_engine_config()
     kv_cache_config = _groups_config(_spec(FullAttentionSpec),
                                      _spec(SlidingWindowSpec, sliding_window=64),
                                      num_blocks=num_blocks)
@@ -222,9 +233,9 @@ def test_several_groups_are_served_when_every_group_holds_a_whole_request(tiny_m
     def start():
         return KVBackendScheduler(config, kv_cache_config, StructuredOutputManager(config),
                                   block_size=BLOCK_SIZE)
-    if num_blocks == 20:
-        with pytest.raises(ValueError, match="needs 16 blocks in each of the 2 groups, the KV "
-                                             "cache holds 9"):
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
             start()
     else:
-        assert start().kv_cache_manager.groups.num_groups == 2
+        manager = start().kv_cache_manager
+        assert manager.groups.num_groups == 2 and manager.windows is not None
