@@ -387,3 +387,31 @@ def test_a_node_taking_its_childs_copy_keeps_retained_blocks_within_the_bound():
     cache.drop_redundant_copies()
     cache.check_invariants()
     assert cache.match(x).num_tokens == 8 and cache.match(y).num_tokens == 8
+
+
+def test_eviction_reaches_a_parent_that_turns_into_a_leaf_before_a_skipped_one():
+    """Tenant a's [0, 4) is split at 1 by a live request (its leaf [1, 4) shares the locked
+    node's block: evicting it frees nothing). In the default namespace [0, 1) and [1, 4)
+    share block 2, unlocked. Evicting [1, 4) frees nothing yet, and its parent, now a leaf
+    with a partial tail, sorts before the skipped leaf: eviction went on past it by
+    index and freed nothing (evict(1) returned 0 with one block evictable)."""
+    cache = PrefixCache(num_blocks=24, block_size=BS, max_retained_fraction=0.3)
+
+    def start(namespace, tokens):
+        seq = cache.open_sequence(cache.match(tokens, namespace), len(tokens))
+        cache.take_block_copies()
+        cache.complete_block_copies()
+        return seq
+
+    a, b = start("a", [0, 0, 0, 0]), start(None, [0, 0, 0, 0])
+    cache.cache(a, [0, 0, 0, 0])
+    cache.release(a, retain_s=2)
+    c, live = start(None, [0]), start("a", [0])
+    cache.cache(b, [0, 0, 0, 0])
+    cache.release(b, retain_s=2)
+    cache.cache(c, [0])
+    cache.release(c)
+    assert cache.pool.num_evictable == 1
+    assert cache.evict(1) == 1
+    cache.check_invariants()
+    assert cache.match([0, 0, 0, 0], "a").num_tokens == 4 and live.num_tokens == 1

@@ -427,11 +427,14 @@ class RadixTree:
         dropped, n evictable leaves (plus the expiries, see ``retain``).
         """
         self._expire()
-        freed = skipped = 0
-        while freed < num_blocks and skipped < len(self._evictable):
-            leaf = self._evictable[skipped][-1]
+        freed, skipped = 0, set()  # leaves that free nothing (ids): few, all of them locked
+        while freed < num_blocks:  # parents' children (so not evicted, and kept in order)
+            leaf = next((entry[-1] for entry in self._evictable
+                         if entry[-1].node_id not in skipped), None)
+            if leaf is None:
+                break
             if self._frees_nothing(leaf):
-                skipped += 1
+                skipped.add(leaf.node_id)
                 continue
             stats = self.stats.setdefault(leaf.namespace, NamespaceStats())
             want = 1 if leaf.end % self.block_size else num_blocks - freed  # partial tail
