@@ -79,7 +79,9 @@ window. Two layouts (``block_groups.py``):
   hit is cut back to the longest prefix whose last window's blocks all have
   their pages (``WindowPages.longest_hit``, O(blocks of the match)); the hit's
   window blocks, and a partial hit's source until its copy ran, are held before
-  any block is handed out, so none of them is reclaimed under it. Copy-on-write
+  any block is handed out, so none of them is reclaimed under it. A request that
+  recomputes tokens whose cached block lost its pages gives the tree its own
+  block (``_adopt_window_pages``), so hits there come back. Copy-on-write
   copies every group's page. A request thus holds its full-attention blocks and
   a window's worth of pages per sliding-window group, as under vLLM's manager;
   start-up refuses a ``max_model_len`` that cannot fit that (vLLM's admission
