@@ -298,14 +298,16 @@ class KVBackendManager(KVCacheManager):
                                        on_dropped=self._window_dropped)
             self.groups = WindowedBlockGroups(num_physical, full[0], windowed, self.windows)
             in_flight = kwargs.get("max_in_flight_tokens") or self.max_model_len
-            window_blocks = max(spec.max_admission_blocks_per_request(in_flight, self.max_model_len)
-                                for spec in specs)
+            # at most this many blocks of a request hold pages (vLLM's admission cap)
+            self._window_blocks = max(
+                spec.max_admission_blocks_per_request(in_flight, self.max_model_len)
+                for spec in specs)
         else:
             self.groups = BlockGroups(num_physical, self.num_kv_cache_groups)
             self.watermark_blocks //= self.groups.num_groups  # vLLM counts physical blocks
             self.cache = self._prefix_cache(self.groups.num_logical, backend_config)
-            window_blocks = None
-        self._check_max_model_len(window_blocks)
+            self._window_blocks = 0
+        self._check_max_model_len()
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step = StepWrites(self.block_size)
         self._copy_sources: list[int] = []  # partial hits' sources, their window pages held
@@ -742,13 +744,13 @@ class KVBackendManager(KVCacheManager):
                            max_pinned_fraction=config.max_pinned_fraction,
                            max_retained_fraction=config.max_retained_fraction)
 
-    def _check_max_model_len(self, window_blocks: int | None) -> None:
+    def _check_max_model_len(self) -> None:
         """Refuse a ``max_model_len`` whose request could never fit the pool alone: its
         blocks in every group, or with ``WindowPages`` its full-attention blocks and at
-        most ``window_blocks`` (vLLM's admission cap) in each sliding-window group."""
+        most ``_window_blocks`` (vLLM's admission cap) in each sliding-window group."""
         needed, usable = cdiv(self.max_model_len, self.block_size), self.cache.block_counts().usable
         if self.windows is not None:
-            pages = self.windows.num_groups * min(needed, window_blocks)
+            pages = self.windows.num_groups * min(needed, self._window_blocks)
             if needed + pages > usable:
                 raise ValueError(
                     f"a {self.max_model_len}-token request needs {needed} blocks in the "
@@ -762,7 +764,6 @@ class KVBackendManager(KVCacheManager):
                 f"{self.groups.num_groups} groups, the KV cache holds "
                 f"{usable}; lower max_model_len or give the KV "
                 "cache more memory")
-        self._window_blocks = window_blocks or 0
 
     def _pages_for(self, num_blocks: int) -> int:
         """Sliding-window pages that ``num_blocks`` new blocks come with."""
@@ -783,20 +784,20 @@ class KVBackendManager(KVCacheManager):
         """``PrefixCache.open_sequence``, the new blocks with their sliding-window pages:
         the hit's blocks in the window are held before the pool hands out blocks (so it
         cannot reclaim them), and a partial hit's source until its copy ran."""
-        start = self._window_start(match.num_tokens)
-        in_window = list(match.block_ids[start: match.num_full_blocks])
+        start, windows = self._window_start(match.num_tokens), self.windows
         source = [match.block_ids[-1]] if match.num_partial_tokens else []
-        if self.windows is not None:
-            self.windows.hold(in_window + source)
+        held = list(match.block_ids[start: match.num_full_blocks]) + source
+        if windows is not None:
+            windows.hold(held)
         seq = self.cache.open_sequence(match, total, extra_blocks=self._pages_for(num_new))
-        if self.windows is not None:
-            if seq is None:
-                self.windows.unhold(in_window + source)
-                return None
-            self.windows.give(seq.block_ids[match.num_full_blocks:], seq.extra_block_ids)
+        if seq is None:
+            if windows is not None:
+                windows.unhold(held)
+            return None
+        if windows is not None:
+            windows.give(seq.block_ids[match.num_full_blocks:], seq.extra_block_ids)
             self._copy_sources += source
-        if seq is not None:
-            tracked.sequence, tracked.match, tracked.window_start = seq, None, start
+        tracked.sequence, tracked.match, tracked.window_start = seq, None, start
         return seq
 
     def _advance_window(self, tracked: _TrackedRequest, num_processed: int) -> None:
