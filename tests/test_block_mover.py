@@ -57,28 +57,35 @@ def test_block_mover_round_trips_blocks_through_host_and_disk(tmp_path, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_tier_block_of_several_groups_is_its_physical_block_in_each(device):
-    """With 3 KV-cache groups sharing the tensors, tier block b is physical blocks
-    3b, 3b+1, 3b+2 of every layer: saved and loaded together, other blocks untouched;
-    the remote tier's path (gather, load_payloads) moves the same bytes."""
-    layers = [torch.randn(2, 12, 2, 4, 8, device=device) for _ in range(2)]  # 4 logical blocks
+    """With 3 KV-cache groups sharing the tensors, a tier block is one physical block per
+    group, saved and loaded together, other blocks untouched; the remote tier's path
+    (gather, load_payloads) moves the same bytes. A group whose id is 0 (vLLM's null
+    block: a sliding window no longer holds those tokens) is skipped by a load, and such
+    a block is never saved."""
+    layers = [torch.randn(2, 12, 2, 4, 8, device=device) for _ in range(2)]
     nbytes = 3 * 2 * 2 * 2 * 4 * 8 * 4  # groups * layers * (K, V) * heads * tokens * dim * fp32
     host = HostTier(4 * nbytes)
-    mover = BlockMover(layers, 1, nbytes, 4, host, None, num_groups=3)
-    mover.save_many([(1, key_of(0), True, False)])
-    expected = [layer[:, 3:6].clone() for layer in layers]
-    others = [layer[:, 6:].clone() for layer in layers]
-    for layer in layers:
-        layer[:, 3:].zero_()
-    assert mover.load_many([(2, key_of(0), False)]) == [True]
-    for layer, want, rest in zip(layers, expected, others):
-        assert torch.equal(layer[:, 6:9], want)
-        assert not layer[:, 3:6].any() and not layer[:, 9:].any()
-    (payload,) = mover.gather_many([2])
-    mover.load_payloads([(3, key_of(1), memoryview(payload), False)])
-    for layer, want in zip(layers, expected):
-        assert torch.equal(layer[:, 9:12], want)
-    with pytest.raises(ValueError, match="num_groups"):
-        BlockMover(layers, 1, nbytes, 4, host, None, num_groups=0)
+    mover = BlockMover(layers, 1, nbytes, 4, host, None)
+    mover.save_many([((3, 7, 5), key_of(0), True, False)])
+    expected = [layer[:, [3, 7, 5]].clone() for layer in layers]
+    before = [layer.clone() for layer in layers]
+    assert mover.load_many([((6, 8, 1), key_of(0), False)]) == [True]
+    for layer, old, want in zip(layers, before, expected):
+        assert torch.equal(layer[:, [6, 8, 1]], want)
+        rest = [b for b in range(12) if b not in (6, 8, 1)]
+        assert torch.equal(layer[:, rest], old[:, rest])
+    (payload,) = mover.gather_many([(6, 8, 1)])
+    before = [layer.clone() for layer in layers]
+    mover.load_payloads([((9, 0, 10), key_of(1), memoryview(payload), False)])
+    for layer, old, want in zip(layers, before, expected):
+        assert torch.equal(layer[:, [9, 10]], want[:, [0, 2]])
+        assert torch.equal(layer[:, 0], old[:, 0])  # the null block: untouched
+    with pytest.raises(ValueError, match="no longer holds"):
+        mover.save_many([((9, 0, 10), key_of(2), True, False)])
+    with pytest.raises(ValueError, match="spans 3"):
+        mover.load_many([(2, key_of(0), False)])
+    with pytest.raises(ValueError, match="whole number"):
+        BlockMover(layers, 1, nbytes + 4, 4, host, None)
 
 
 def test_disk_loads_leave_the_lru_order_of_the_loads_whatever_order_reads_finish(tmp_path):

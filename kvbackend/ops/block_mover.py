@@ -8,10 +8,12 @@ A GPU cache (the tiers always live in host memory, pinned then) moves blocks thr
 one scatter per ``STAGED_BLOCKS`` loads writes them into the cache; saves gather up to
 ``STAGED_BLOCKS`` blocks with one kernel and copy each out, one sync per group.
 
-With ``num_groups`` KV-cache groups sharing the layers' tensors (vLLM's hybrid
-KV-cache manager, ``kvbackend.vllm.block_groups``), tier block ``b`` is the
-physical blocks ``[b * num_groups, (b + 1) * num_groups)`` of every layer: one
-payload holds every group's KV of those tokens, group by group.
+A block is named by a ``BlockRef``: an int, one physical block of every layer, or,
+with several KV-cache groups sharing the layers' tensors (vLLM's hybrid KV-cache
+manager, ``kvbackend.vllm.block_groups``), a tuple of one physical block per group:
+one payload then holds every group's KV of those tokens, group by group. A 0 in a
+tuple (vLLM's null block: a sliding-window group no longer holds those tokens) is
+skipped by loads, which fill the other groups; such a block is never saved.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from kvbackend.store import DiskTier, HostTier
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 READERS = min(8, max(2, (_CORES or 2) // 2))
 STAGED_BLOCKS = 8  # device staging blocks of a GPU cache: loads scattered per call
+
+BlockRef = int | tuple[int, ...]  # a physical block, or one per KV-cache group (module doc)
 
 
 class BlockMover:
@@ -64,15 +68,17 @@ class BlockMover:
     """
 
     def __init__(self, layers: list[torch.Tensor], block_dim: int, block_nbytes: int,
-                 block_size: int, host: HostTier | None, disk: DiskTier | None,
-                 num_groups: int = 1) -> None:
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be at least 1, got {num_groups}")
-        self.layers, self.block_dim, self.num_groups = layers, block_dim, num_groups
+                 block_size: int, host: HostTier | None, disk: DiskTier | None) -> None:
+        self.layers, self.block_dim = layers, block_dim
         self.block_nbytes, self.block_size = block_nbytes, block_size
         self.host, self.disk = host, disk
         self.device = layers[0].device
         self.copier = BlockCopier(layers, block_dim)
+        # physical blocks per BlockRef: one per KV-cache group
+        self.num_groups, rest = divmod(block_nbytes, self.copier.layout.block_nbytes)
+        if rest or not self.num_groups:
+            raise ValueError(f"a block of {block_nbytes} bytes is not a whole number of "
+                             f"physical blocks of {self.copier.layout.block_nbytes} bytes")
         self._pinned = None if self.device.type == "cpu" else PinnedRows(block_nbytes)
         self._device_rows = (None if self.device.type == "cpu" else torch.empty(
             STAGED_BLOCKS, block_nbytes, dtype=torch.uint8, device=self.device))
@@ -80,7 +86,7 @@ class BlockMover:
         self._gather_group = 1 if self._device_rows is None else STAGED_BLOCKS
         self._staging = [self._new_row()
                          for _ in range(max(2 * READERS, self._gather_group))]
-        self._staged: list[int] = []  # block ids whose bytes wait in _device_rows[i]
+        self._staged: list[BlockRef] = []  # blocks whose bytes wait in _device_rows[i]
         self._copying: list[np.ndarray] = []  # host rows async copies may still read
         self._readers: ThreadPoolExecutor | None = None
 
@@ -89,18 +95,18 @@ class BlockMover:
         """Host memory pinned for this mover's rows (0 on a CPU cache)."""
         return 0 if self._pinned is None else self._pinned.pinned_nbytes
 
-    def load_many(self, loads: list[tuple[int, str, bool]]) -> list[bool]:
-        """For each (block id, key, promote): fill that block of every layer with the
+    def load_many(self, loads: list[tuple[BlockRef, str, bool]]) -> list[bool]:
+        """For each (block, key, promote): fill that block of every layer with the
         key's bytes from host, else disk (then kept in host too if ``promote``).
         Returns, per load, whether it succeeded; a failed one leaves its block
         untouched."""
         done = [False] * len(loads)
         reads: deque[tuple[int, Future, np.ndarray, bool]] = deque()
         try:
-            for i, (block_id, key, promote) in enumerate(loads):
+            for i, (block, key, promote) in enumerate(loads):
                 row = self._host_row(key)
                 if row is not None:
-                    self._scatter(row, block_id, kept=True)
+                    self._scatter(row, block, kept=True)
                     done[i] = True
                 elif self.disk is not None:
                     if len(reads) == len(self._staging):
@@ -117,17 +123,17 @@ class BlockMover:
             self._settle()
         return done
 
-    def load_payloads(self, loads: list[tuple[int, str, memoryview, bool]]) -> None:
-        """For each (block id, key, payload of ``block_nbytes``, promote): fill that block
+    def load_payloads(self, loads: list[tuple[BlockRef, str, memoryview, bool]]) -> None:
+        """For each (block, key, payload of ``block_nbytes``, promote): fill that block
         of every layer with the payload (and keep a copy in host if ``promote``)."""
         try:
-            for block_id, key, payload, promote in loads:
+            for block, key, payload, promote in loads:
                 keep = promote and self.host is not None
                 row = self._new_row() if keep else self._staging[0]
                 row[:] = np.frombuffer(payload, dtype=np.uint8)
                 if keep:
                     self.host.put(key, row, self.block_size)
-                self._scatter(row, block_id, kept=keep)
+                self._scatter(row, block, kept=keep)
             self._flush()
         finally:
             self._settle()
@@ -145,26 +151,26 @@ class BlockMover:
                     put += self.host.put(key, row, self.block_size)
         return put
 
-    def gather_many(self, block_ids: list[int]) -> list[np.ndarray]:
-        """A fresh host copy of each block of ``block_ids`` (every layer), in order."""
-        rows = [self._new_row() for _ in block_ids]
-        for start in range(0, len(block_ids), self._gather_group):
+    def gather_many(self, blocks: list[BlockRef]) -> list[np.ndarray]:
+        """A fresh host copy of each of ``blocks`` (every layer), in order."""
+        rows = [self._new_row() for _ in blocks]
+        for start in range(0, len(blocks), self._gather_group):
             part = slice(start, start + self._gather_group)
-            self._gather(block_ids[part], rows[part])
+            self._gather(blocks[part], rows[part])
         return rows
 
-    def save_many(self, saves: list[tuple[int, str, bool, bool]]) -> None:
-        """For each (block id, key, to host, to disk), in order: copy block ``block_id`` of
+    def save_many(self, saves: list[tuple[BlockRef, str, bool, bool]]) -> None:
+        """For each (block, key, to host, to disk), in order: copy that block of
         every layer into the host tier and/or the disk tier (a tier the mover lacks is
         skipped)."""
-        saves = [(block_id, key, to_host and self.host is not None,
-                  to_disk and self.disk is not None) for block_id, key, to_host, to_disk in saves]
+        saves = [(block, key, to_host and self.host is not None,
+                  to_disk and self.disk is not None) for block, key, to_host, to_disk in saves]
         saves = [save for save in saves if save[2] or save[3]]
         for start in range(0, len(saves), self._gather_group):
             part = saves[start:start + self._gather_group]
             rows = [self._new_row() if to_host else self._staging[i]
                     for i, (_, _, to_host, _) in enumerate(part)]
-            self._gather([block_id for block_id, *_ in part], rows)
+            self._gather([block for block, *_ in part], rows)
             for (_, key, to_host, to_disk), row in zip(part, rows):
                 if to_host:
                     self.host.put(key, row, self.block_size)
@@ -190,18 +196,18 @@ class BlockMover:
         return next(row for row in self._staging if id(row) not in busy)
 
     def _finish_oldest(self, reads: deque[tuple[int, Future, np.ndarray, bool]],
-                       loads: list[tuple[int, str, bool]], done: list[bool]) -> None:
+                       loads: list[tuple[BlockRef, str, bool]], done: list[bool]) -> None:
         """Wait for the oldest disk read; scatter it (and keep it in host) if it verified."""
         i, read, row, keep = reads.popleft()
         if read.result() is None:
             return
-        block_id, key, _ = loads[i]
+        block, key, _ = loads[i]
         # The reader threads recorded their hits in the order they finished: record them
         # again in the loads' order, so the disk tier's LRU order does not vary by run.
         self.disk.refresh(key)
         if keep:  # disk bytes are immutable: the host tier keeps this very array
             self.host.put(key, row, self.block_size)
-        self._scatter(row, block_id, kept=keep)
+        self._scatter(row, block, kept=keep)
         done[i] = True
 
     def _reader(self) -> ThreadPoolExecutor:
@@ -209,27 +215,27 @@ class BlockMover:
             self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvbackend-read")
         return self._readers
 
-    def _scatter(self, row: np.ndarray, block_id: int, kept: bool) -> None:
-        """Host bytes ``row`` -> block ``block_id`` of every layer: at once on a CPU
-        cache; on a GPU, staged (asynchronously when ``kept``: a row the mover does not
-        reuse) and scattered by ``_flush``."""
+    def _scatter(self, row: np.ndarray, block: BlockRef, kept: bool) -> None:
+        """Host bytes ``row`` -> ``block`` of every layer: at once on a CPU cache; on a
+        GPU, staged (asynchronously when ``kept``: a row the mover does not reuse) and
+        scattered by ``_flush``."""
         source = torch.from_numpy(row)
         if self._device_rows is None:
-            self.copier.scatter(source, self._ids(block_id))
+            self.copier.scatter(*self._held_groups(source, self._ids(block)))
             return
-        if block_id in self._staged or len(self._staged) == STAGED_BLOCKS:
+        if block in self._staged or len(self._staged) == STAGED_BLOCKS:
             self._flush()
         # Stream order: this copy runs after the scatter that read the slot before.
         self._device_rows[len(self._staged)].copy_(source, non_blocking=kept)
-        self._staged.append(block_id)
+        self._staged.append(block)
         if kept:
             self._copying.append(row)
 
     def _flush(self) -> None:
         """Scatter the staged blocks into the cache (queued on the current stream)."""
         if self._staged:
-            ids = torch.cat([self._ids(block_id) for block_id in self._staged])
-            self.copier.scatter(self._device_rows[:len(self._staged)], ids)
+            ids = torch.cat([self._ids(block) for block in self._staged])
+            self.copier.scatter(*self._held_groups(self._device_rows[:len(self._staged)], ids))
             self._staged.clear()
 
     def _settle(self) -> None:
@@ -240,24 +246,42 @@ class BlockMover:
             torch.cuda.current_stream(self.device).synchronize()
             self._copying.clear()
 
-    def _gather(self, block_ids: list[int], rows: list[np.ndarray]) -> None:
-        """Block ``block_ids[i]`` of every layer -> host bytes ``rows[i]``, at most
+    def _gather(self, blocks: list[BlockRef], rows: list[np.ndarray]) -> None:
+        """``blocks[i]`` of every layer -> host bytes ``rows[i]``, at most
         ``_gather_group`` blocks: on a CPU cache straight into the row; on a GPU, one
         gather into the staging blocks, a device-to-host copy per row, one sync."""
+        ids = [self._ids(block) for block in blocks]
+        if self.num_groups > 1 and any(not bool(i.all()) for i in ids):
+            raise ValueError(f"cannot save a block some KV-cache group no longer holds (a 0 "
+                             f"among {blocks})")
         if self._device_rows is None:
-            for block_id, row in zip(block_ids, rows):
-                self.copier.gather(self._ids(block_id), torch.from_numpy(row))
+            for block_ids, row in zip(ids, rows):
+                self.copier.gather(block_ids, torch.from_numpy(row))
             return
-        ids = torch.cat([self._ids(block_id) for block_id in block_ids])
-        staged = self.copier.gather(ids, self._device_rows[:len(block_ids)])
+        staged = self.copier.gather(torch.cat(ids), self._device_rows[:len(blocks)])
         for block, row in zip(staged, rows):
             torch.from_numpy(row).copy_(block, non_blocking=True)  # pinned: asynchronous
         torch.cuda.current_stream(self.device).synchronize()
 
-    def _ids(self, block_id: int) -> torch.Tensor:
-        """The physical blocks of tier block ``block_id``, one per group."""
-        first = block_id * self.num_groups
-        return torch.arange(first, first + self.num_groups, dtype=torch.int64)
+    def _ids(self, block: BlockRef) -> torch.Tensor:
+        """The physical blocks of ``block``, one per KV-cache group (0: none there)."""
+        ids = (block,) if isinstance(block, int) else tuple(block)
+        if len(ids) != self.num_groups:
+            raise ValueError(f"block {block!r} names {len(ids)} physical blocks, a tier block "
+                             f"here spans {self.num_groups} KV-cache groups")
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def _held_groups(self, rows: torch.Tensor,
+                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` (``len(ids)`` physical blocks' bytes) and ``ids`` without the groups
+        whose id is 0 (with several groups: vLLM's null block, the group no longer holds
+        those tokens). O(bytes kept) when one is left out, else O(1)."""
+        held = ids != 0
+        if self.num_groups == 1 or bool(held.all()):
+            return rows, ids
+        return rows.reshape(len(ids), -1)[held.to(rows.device)], ids[held]
 
 
-__all__ = ["BlockMover", "READERS", "STAGED_BLOCKS"]
+
+
+__all__ = ["BlockMover", "BlockRef", "READERS", "STAGED_BLOCKS"]

@@ -14,13 +14,16 @@ so a token-exact hit, a copy-on-write copy or an eviction covers all groups at
 once, and with one group the mapping is the identity. Logical block 0 (the null
 block) covers physical blocks 0 .. num_groups - 1, vLLM's null block among them.
 
-The tier connector names a tier block by its logical id (``LogicalBlockIds``): a
-tier block holds its physical block in every group.
-
 A model with one full-attention group and sliding-window groups, served without
-a KV connector, frees the sliding-window blocks no window reaches instead
-(``WindowedBlockGroups``): there a logical block is its full-attention block, and
-its sliding-window pages come from ``WindowPages``.
+a KV connector other than kvbackend's tiers, frees the sliding-window blocks no
+window reaches instead (``WindowedBlockGroups``): there a logical block is its
+full-attention block, and its sliding-window pages come from ``WindowPages``.
+
+The tier connector names a tier block by its logical id and moves its physical
+block in every group (``tier_blocks``, read from vLLM's per-group block table):
+one tier block holds every group's KV of its tokens. Where a sliding-window group
+lists vLLM's null block (0) the block is not whole on the device: a load fills
+the other groups, and it is never saved.
 
 Invariants: the physical ids of distinct (logical, group) pairs are distinct and
 below ``num_logical * num_groups <= num_physical``.
@@ -63,6 +66,19 @@ class BlockGroups:
         return [KVCacheBlockCopy(src * g + group, dst * g + group)
                 for src, dst in pairs for group in range(g)]
 
+    def tier_blocks(self, per_group: Sequence[Sequence[int]], check: bool = False
+                    ) -> tuple[Sequence[int], Sequence[tuple[int, ...]]]:
+        """A request's tier blocks from vLLM's per-group table: their logical ids and,
+        with several groups, their physical block per group (one group: the ids
+        themselves, no tuples). ``check``: ``LogicalBlockIds.check``. O(1), or
+        O(groups * blocks) checked."""
+        if self.num_groups == 1:
+            return per_group[0], ()
+        logical = LogicalBlockIds(per_group)
+        if check:
+            logical.check()
+        return logical, PhysicalBlocks(per_group)
+
 
 class LogicalBlockIds(Sequence[int]):
     """A request's block table as logical ids, read from vLLM's per-group table (group 0's
@@ -91,6 +107,22 @@ class LogicalBlockIds(Sequence[int]):
                 raise ValueError(f"KV-cache group {group}'s blocks are not those of group 0 "
                                  f"plus {group} (a block table kvbackend's manager did not "
                                  "make)")
+
+
+class PhysicalBlocks(Sequence[tuple[int, ...]]):
+    """Each block's physical block in every group, read from vLLM's per-group table
+    without copying it (0: the group lists its null block there). O(groups) per item."""
+
+    def __init__(self, per_group: Sequence[Sequence[int]]) -> None:
+        self.per_group = per_group
+
+    def __len__(self) -> int:
+        return len(self.per_group[0])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return tuple(ids[i] for ids in self.per_group)
 
 
 class WindowedBlockGroups:
@@ -132,3 +164,9 @@ class WindowedBlockGroups:
         their sliding-window pages: a copy's source is held until it ran)."""
         return [KVCacheBlockCopy(self.physical(src, group), self.physical(dst, group))
                 for src, dst in pairs for group in range(self.num_groups)]
+
+    def tier_blocks(self, per_group: Sequence[Sequence[int]], check: bool = False
+                    ) -> tuple[Sequence[int], Sequence[tuple[int, ...]]]:
+        """As ``BlockGroups.tier_blocks``: a logical id is the full-attention group's
+        block id (nothing to check). O(1)."""
+        return per_group[self.full_group], PhysicalBlocks(per_group)

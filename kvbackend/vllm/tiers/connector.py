@@ -230,9 +230,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Load orders for the adopted tier hit. O(adopted blocks)."""
         if self.planner is None:
             return
-        block_ids = self._tier_block_ids(blocks.get_block_ids(), check=True)
+        block_ids, physical = self._tier_blocks(blocks.get_block_ids(), check=True)
         try:
-            self.planner.allocated(request.request_id, block_ids, num_external_tokens)
+            self.planner.allocated(request.request_id, block_ids, num_external_tokens, physical)
             if num_external_tokens:
                 for source, n in self.planner.hit_sources(request.request_id,
                                                           num_external_tokens).items():
@@ -264,7 +264,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids = state.get_block_ids(request_id) if state is not None else None
             if request is not None and block_ids is not None:
                 scheduled.append(ScheduledRequest(request_id, request.num_computed_tokens,
-                                                  num_tokens, self._tier_block_ids(block_ids)))
+                                                  num_tokens, *self._tier_blocks(block_ids)))
         try:
             orders = self.planner.plan_step(scheduled)
         except Exception:  # noqa: BLE001
@@ -274,20 +274,12 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._announce_tier_changes(orders)
         return TierMetadata(orders)
 
-    def _tier_block_ids(self, block_ids: tuple[list[int], ...],
-                        check: bool = False) -> Sequence[int]:
-        """A request's tier blocks: its block ids with one group, else its logical
-        blocks (``LogicalBlockIds``; ``check``: verified, O(groups * blocks), raising
-        ValueError for a table kvbackend's manager did not make: loading into it
-        would corrupt other blocks)."""
-        from kvbackend.vllm.block_groups import LogicalBlockIds
-
-        if self.num_groups == 1:
-            return block_ids[0]
-        logical = LogicalBlockIds(block_ids)
-        if check:
-            logical.check()
-        return logical
+    def _tier_blocks(self, block_ids: tuple[list[int], ...], check: bool = False
+                     ) -> tuple[Sequence[int], Sequence[tuple[int, ...]]]:
+        """A request's tier blocks: their logical ids and, with several groups, their
+        physical block per group (``BlockGroups.tier_blocks`` of the bound manager;
+        ``check``: raise ValueError for a table kvbackend's manager did not make)."""
+        return self._kv_cache_manager.groups.tier_blocks(block_ids, check)
 
     def _announce_tier_changes(self, orders: StepOrders) -> None:
         """KV events (``--kv-events-config``, ``kv_events.py``): first what the planner
@@ -451,7 +443,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                                "serving without persisting KV blocks", self.settings.disk_cache_dir,
                                "read-only" if disk.mode is DiskMode.RO else "disabled")
         return BlockMover(layers, block_dim, self.block_nbytes, groups[0].kv_cache_spec.block_size,
-                          host, disk, num_groups=self.num_groups)
+                          host, disk)
 
     def _disk_tier(self, identity: CacheIdentity, **options: Any) -> DiskTier:
         """The disk tier of one rank: ``disk_cache_gb`` split evenly across the ranks.

@@ -24,17 +24,26 @@ class Source(Enum):
 class LoadOrder(NamedTuple):
     """Fill block ``block_id`` (all layers) with ``key``'s KV, from host memory, else
     from disk, else from the remote tier; with ``promote``, a block read from disk or
-    the remote tier is kept in host memory too."""
+    the remote tier is kept in host memory too. ``physical``: with several KV-cache
+    groups, its block in each (``block_id`` is then kvbackend's logical id; a 0: that
+    group no longer holds the block, see ``BlockMover``)."""
 
     request_id: str
     block_id: int
     key: str
     promote: bool
+    physical: tuple[int, ...] = ()
+
+    @property
+    def blocks(self) -> int | tuple[int, ...]:
+        """What the workers move: ``BlockMover``'s ``BlockRef``."""
+        return self.physical or self.block_id
 
 
 class SaveOrder(NamedTuple):
     """Copy block ``block_id`` (all layers, complete after this step's forward pass)
-    into the host, disk and/or remote tier under ``key``."""
+    into the host, disk and/or remote tier under ``key``; ``physical`` as for
+    ``LoadOrder`` (never a 0: a block some group no longer holds is not saved)."""
 
     request_id: str
     block_id: int
@@ -42,6 +51,11 @@ class SaveOrder(NamedTuple):
     to_host: bool
     to_disk: bool
     to_remote: bool = False
+    physical: tuple[int, ...] = ()
+
+    @property
+    def blocks(self) -> int | tuple[int, ...]:
+        return self.physical or self.block_id
 
 
 class StepOrders(NamedTuple):
@@ -86,6 +100,8 @@ class ScheduledRequest(NamedTuple):
     num_computed_tokens: int  # before this step
     num_scheduled_tokens: int
     block_ids: Sequence[int]  # the request's whole block table
+    # with several KV-cache groups: each block's physical block per group (LoadOrder)
+    physical: Sequence[tuple[int, ...]] = ()
 
 
 __all__ = ["LoadOrder", "SaveOrder", "ScheduledRequest", "Source", "StepOrders", "TierFact"]

@@ -46,7 +46,9 @@ identity). Calls, in vLLM's order within a step:
                         saves put it in host memory). A request with remote blocks is
                         listed in the step's ``async_loads``.
   ``plan_step``         a save order per block completed in this step, and per block of
-                        a newly admitted request: to host unless the mirror has it (then
+                        a newly admitted request (but for a block some KV-cache group no
+                        longer holds: a sliding window left it, its ``physical`` has a
+                        0; never saved): to host unless the mirror has it (then
                         touched), to disk and to the remote tier for every block the
                         request loaded or computed (the workers skip files that exist and
                         keys the server holds; nothing here remembers either, which other
@@ -277,9 +279,10 @@ class TierPlanner:
         st = self._requests.get(request_id)
         return st is not None and st.load_async
 
-    def allocated(self, request_id: str, block_ids: Sequence[int],
-                  num_external_tokens: int) -> None:
-        """vLLM admitted the request with the block table ``block_ids`` and adopted
+    def allocated(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int,
+                  physical: Sequence[tuple[int, ...]] = ()) -> None:
+        """vLLM admitted the request with the block table ``block_ids`` (and, with several
+        KV-cache groups, ``physical``: ``ScheduledRequest``) and adopted
         ``num_external_tokens`` of its last lookup's hit: a load order per block.
         Adopting more than that lookup offered is a bug: the request's blocks are
         then reported as failed loads, and vLLM recomputes them. O(adopted blocks)."""
@@ -309,7 +312,8 @@ class TierPlanner:
                 self._step_remote += 1
             else:  # the load promotes a prefetch of this step instead of reading twice
                 promote = self._prefetches.pop(key, None) is not None or self._host_insert(key)
-            self._loads.append(LoadOrder(request_id, block_id, key, promote))
+            self._loads.append(LoadOrder(request_id, block_id, key, promote,
+                                         physical[i] if physical else ()))
             if lookup.sources[j] is not Source.HOST:
                 self._facts.append(TierFact(lookup.sources[j], key, block_id))
             loads.blocks[block_id] = key
@@ -500,12 +504,15 @@ class TierPlanner:
         keys = self._keys(st, num_full)
         disk_on, remote_on = self.disk_contains is not None, self.remote_contains is not None
         for i in range(st.num_checked, num_full):
+            physical = request.physical[i] if request.physical else ()
+            if 0 in physical:  # a sliding-window group no longer holds it: not whole
+                continue
             to_host = self._host_insert(keys[i])
             to_disk = disk_on and i >= st.disk_from
             to_remote = remote_on and i >= st.disk_from
             if to_host or to_disk or to_remote:
                 saves.append(SaveOrder(request.request_id, request.block_ids[i], keys[i],
-                                       to_host, to_disk, to_remote))
+                                       to_host, to_disk, to_remote, physical))
         st.num_checked = num_full
 
     def _end_lookup(self, st: _Request) -> None:

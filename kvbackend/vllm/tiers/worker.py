@@ -131,7 +131,7 @@ class TierWorker:
         done = self.reader.take_done() if self.reader is not None else []
         for request_id, payloads, seconds in done:
             loads = self.fetching.pop(request_id, [])
-            found = [(o.block_id, o.key, p, o.promote) for o, p in zip(loads, payloads)
+            found = [(o.blocks, o.key, p, o.promote) for o, p in zip(loads, payloads)
                      if p is not None and self.remote is not None]  # none once closed
             try:
                 self.mover.load_payloads(found)
@@ -139,8 +139,8 @@ class TierWorker:
                 logger.exception("kvbackend tiers: placing remote blocks failed; they are "
                                  "recomputed")
                 found = []
-            placed = {block_id for block_id, _, _, _ in found}
-            self._fail((o.request_id, o.block_id) for o in loads if o.block_id not in placed)
+            placed = {blocks for blocks, _, _, _ in found}
+            self._fail((o.request_id, o.block_id) for o in loads if o.blocks not in placed)
             self._loaded("remote", len(found), seconds)
             self._finished.add(request_id)
             self._moved = True
@@ -167,7 +167,7 @@ class TierWorker:
             if part:
                 corrupt = _corrupt_count(mover.disk) if tier == "disk" else 0
                 start = time.perf_counter()
-                done = mover.load_many([(o.block_id, o.key, o.promote) for o in part])
+                done = mover.load_many([(o.blocks, o.key, o.promote) for o in part])
                 self._loaded(tier, sum(done), time.perf_counter() - start)
                 if tier == "disk":
                     self._stats.count("verify_failed_blocks", tier,
@@ -206,7 +206,7 @@ class TierWorker:
                 if to_disk:
                     to_disk_keys.add(order.key)
                 if to_host or to_disk:
-                    local.append((order.block_id, order.key, to_host, to_disk))
+                    local.append((order.blocks, order.key, to_host, to_disk))
             # In order (the planner's host mirror replays it), each run of blocks that go
             # to disk or to host only in one batch, timed as that tier.
             for tier, run in itertools.groupby(local, key=lambda s: "disk" if s[3] else "host"):
@@ -220,7 +220,7 @@ class TierWorker:
             remote = [o for o in orders.saves if o.to_remote] if self.remote is not None else []
             if remote:
                 start = time.perf_counter()
-                rows = mover.gather_many([o.block_id for o in remote])
+                rows = mover.gather_many([o.blocks for o in remote])
                 self.remote.submit([(o.key, row, mover.block_size) for o, row in zip(remote, rows)])
                 seconds["remote"] += time.perf_counter() - start
                 blocks["remote"] = timed["remote"] = len(remote)
