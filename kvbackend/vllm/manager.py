@@ -66,8 +66,9 @@ hit is valid where every group has what vLLM's ``HybridKVCacheCoordinator``
 requires: full-attention groups the whole prefix, sliding-window groups the last
 window. Two layouts (``block_groups.py``):
 
-- one full-attention group and sliding-window groups, no KV connector
-  (``WindowedBlockGroups``): a logical block of the tree is the full-attention
+- one full-attention group and sliding-window groups, with no KV connector but
+  kvbackend's tiers (``WindowedBlockGroups``): a logical block of the tree is the
+  full-attention
   group's block, and its pages in the sliding-window groups are further blocks
   of the same pool (``WindowPages``), held while a live request's window reaches
   the block. As vLLM's ``remove_skipped_blocks`` frees a request's blocks that
@@ -85,16 +86,21 @@ window. Two layouts (``block_groups.py``):
   copies every group's page. A request thus holds its full-attention blocks and
   a window's worth of pages per sliding-window group, as under vLLM's manager;
   start-up refuses a ``max_model_len`` that cannot fit that (vLLM's admission
-  cap per sliding-window group).
-- otherwise (several full-attention groups, or with a KV connector: tiers save
-  and load whole blocks): one logical block is one physical block per group,
+  cap per sliding-window group). A tier block holds every group's KV: it is
+  saved in the step that computes it, while the window holds its pages (a block
+  whose pages a request's window left is not saved), and a tier hit's blocks get
+  pages only from the window of its end on: the load fills their pages, and the
+  full-attention block of the others, which stay without pages (so a later hit
+  ending among them is cut back, as above).
+- otherwise (several full-attention groups, or another KV connector, which reads
+  whole block tables): one logical block is one physical block per group,
   every group keeping every block of a live or cached sequence, so token-exact
   hits and copy-on-write (one copy per group) carry over unchanged; a
   sliding-window request then holds as many blocks as a full-attention one, and
   start-up refuses a ``max_model_len`` whose blocks (all groups) do not fit the
-  pool. kvbackend's tiers keep vLLM's several groups (the tier connector is
-  ``SupportsHMA``): a tier block is one logical block, loaded into fresh blocks of
-  every group; with several groups every tier hit loads asynchronously
+  pool. kvbackend's tiers keep vLLM's several groups in both layouts (the tier
+  connector is ``SupportsHMA``): a tier block is one logical block, loaded into
+  fresh blocks of every group; with several groups every tier hit loads asynchronously
   (``delay_cache_blocks``, published by ``cache_blocks`` once done), since vLLM
   reports a failed load then per request, which it recomputes whole (``free``:
   nothing of it was published).
@@ -411,12 +417,16 @@ class KVBackendManager(KVCacheManager):
             needed = total if not full_sequence_must_fit else max(
                 total, min(request.num_tokens, self.max_model_len))
             num_new = cdiv(total, self.block_size) - match.num_full_blocks
-            if max(self._cost(num_new, num_new),
+            # The request's windows read from block `start` on: blocks a KV connector loads
+            # before it get no sliding-window pages.
+            start = self._window_start(computed)
+            num_paged = num_new - max(0, start - match.num_full_blocks)
+            if max(self._cost(num_new, num_paged),
                    self._cost(cdiv(needed, self.block_size) - match.num_full_blocks)) > headroom:
                 return None
             if self.miss_log is not None and request.num_preemptions <= 0:
                 self._explain_admission(request, tracked, match, num_external_computed_tokens)
-            seq = self._open_sequence(tracked, match, total, num_new)
+            seq = self._open_sequence(tracked, match, total, start, num_paged)
             if seq is None:
                 return None
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
@@ -780,22 +790,23 @@ class KVBackendManager(KVCacheManager):
         return self.windows.window_start(num_tokens) if self.windows is not None else 0
 
     def _open_sequence(self, tracked: _TrackedRequest, match: PrefixMatch, total: int,
-                       num_new: int) -> Sequence | None:
-        """``PrefixCache.open_sequence``, the new blocks with their sliding-window pages:
-        the hit's blocks in the window are held before the pool hands out blocks (so it
-        cannot reclaim them), and a partial hit's source until its copy ran."""
-        start, windows = self._window_start(match.num_tokens), self.windows
+                       start: int, num_paged: int) -> Sequence | None:
+        """``PrefixCache.open_sequence``, the last ``num_paged`` new blocks (those from
+        the request's window ``start`` on) with their sliding-window pages: the hit's
+        blocks from ``start`` on are held before the pool hands out blocks (so it cannot
+        reclaim them), and a partial hit's source until its copy ran."""
+        windows = self.windows
         source = [match.block_ids[-1]] if match.num_partial_tokens else []
         held = list(match.block_ids[start: match.num_full_blocks]) + source
         if windows is not None:
             windows.hold(held)
-        seq = self.cache.open_sequence(match, total, extra_blocks=self._pages_for(num_new))
+        seq = self.cache.open_sequence(match, total, extra_blocks=self._pages_for(num_paged))
         if seq is None:
             if windows is not None:
                 windows.unhold(held)
             return None
         if windows is not None:
-            windows.give(seq.block_ids[match.num_full_blocks:], seq.extra_block_ids)
+            windows.give(seq.block_ids[len(seq.block_ids) - num_paged:], seq.extra_block_ids)
             self._copy_sources += source
         tracked.sequence, tracked.match, tracked.window_start = seq, None, start
         return seq

@@ -147,7 +147,9 @@ class KVBackendScheduler(Scheduler):
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
-            free_windows=self.connector is None,  # tiers save and load whole blocks
+            # another connector reads whole block tables: every group keeps every block
+            free_windows=all(map(is_tier_connector, child_configs(
+                self.vllm_config.kv_transfer_config))),
             kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo, self.block_size,
                                   event_groups(self.kv_cache_config))
             if self.enable_kv_cache_events else None,

@@ -148,8 +148,9 @@ class ContentWorker:
         self.requests: dict[str, _WorkerRequest] = {}
         self.prompts: dict[str, list[int]] = {}
         self.connector = connector
-        if connector is not None:
-            connector.register_kv_caches({"attn": self.kv})
+        if connector is not None:  # the sliding-window group's layer shares the tensor
+            connector.register_kv_caches({"attn": self.kv, **({"swa": self.kv} if window
+                                                              else {})})
 
     def slot(self, block_id: int, offset: int) -> int:
         return int(self.kv[0, block_id, 0, offset, 0])

@@ -366,6 +366,47 @@ def test_kvbackend_async_scheduling_with_draft_tokens_stateful(spec_config):
     DraftMachine.TestCase().runTest()
 
 
+class TieredMachine(HarnessMachine):
+    """``HarnessMachine`` with host and disk tiers (``begin``), every request run to its
+    end and the device cache dropped now and then, and disk files damaged (failed
+    loads); checks the cache, the planner and its host mirror. Subclasses add ``start``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = tempfile.mkdtemp(prefix="kvb-async-tiers-")
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def begin(self, config, num_blocks: int, seed: int, window: int | None = None) -> None:
+        """A harness on ``config`` (tiers selected) whose host tier holds two tier blocks."""
+        groups = 2 if window else 1  # a tier block holds a block of each group
+        self.harness = AsyncHarness(copy.deepcopy(config), num_blocks=num_blocks, tiers={
+            "host_cache_gb": tier_gb(config, 2 * groups), "disk_cache_dir": self.root},
+            seed=seed, window=window)
+        # A failed prefetch leaves the mirror wrong by design (the planner's docstring).
+        self.harness.scheduler.connector.planner.prefetch_step_blocks = 0
+
+    @rule(damage=st.lists(st.tuples(st.integers(0, 1 << 20), st.booleans()), max_size=2))
+    def finish_all_and_drop_the_device_cache(self, damage):
+        """Run every request to its end and damage some disk files; prompts seen
+        before then load from host or disk."""
+        self.harness.run_to_end()
+        assert self.harness.scheduler.kv_cache_manager.reset_prefix_cache()
+        for pick, rot in damage:
+            damage_a_disk_file(self.root, pick, rot)
+
+    @invariant()
+    def cache_and_tiers_are_consistent(self):
+        scheduler = self.harness.scheduler
+        scheduler.kv_cache_manager.cache.check_invariants()
+        planner = scheduler.connector.planner
+        planner.check_invariants()
+        if not self.harness.in_flight:  # else a failure report may be on its way
+            assert self.harness.host_mirror_is_the_host_tier(), (
+                "a failed load's key stayed in the host mirror")
+
+
 def test_kvbackend_async_scheduling_with_tiers_stateful(config, spec_config):
     """The machine above with host and disk tiers, failed loads and up to two steps in
     flight; a quarter of the runs schedule synchronously, a quarter decode with drafts."""
@@ -374,42 +415,12 @@ def test_kvbackend_async_scheduling_with_tiers_stateful(config, spec_config):
     configs = {"async": with_tiers(config), "sync": sync_tiered,
                "async-drafts": with_tiers(spec_config)}
 
-    class TieredMachine(HarnessMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.root = tempfile.mkdtemp(prefix="kvb-async-tiers-")
-
-        def teardown(self) -> None:
-            shutil.rmtree(self.root, ignore_errors=True)
-
+    class TieredAsyncMachine(TieredMachine):
         @initialize(mode=st.sampled_from(["async", "async", "async-drafts", "sync"]),
                     seed=st.integers(0, 99))
         def start(self, mode, seed):
-            chosen = configs[mode]
-            self.harness = AsyncHarness(copy.deepcopy(chosen), num_blocks=NUM_BLOCKS, tiers={
-                "host_cache_gb": tier_gb(chosen, 2), "disk_cache_dir": self.root}, seed=seed)
-            # A failed prefetch leaves the mirror wrong by design (the planner's docstring).
-            self.harness.scheduler.connector.planner.prefetch_step_blocks = 0
+            self.begin(configs[mode], NUM_BLOCKS, seed)
 
-        @rule(damage=st.lists(st.tuples(st.integers(0, 1 << 20), st.booleans()), max_size=2))
-        def finish_all_and_drop_the_device_cache(self, damage):
-            """Run every request to its end and damage some disk files; prompts seen
-            before then load from host or disk."""
-            self.harness.run_to_end()
-            assert self.harness.scheduler.kv_cache_manager.reset_prefix_cache()
-            for pick, rot in damage:
-                damage_a_disk_file(self.root, pick, rot)
-
-        @invariant()
-        def cache_and_tiers_are_consistent(self):
-            scheduler = self.harness.scheduler
-            scheduler.kv_cache_manager.cache.check_invariants()
-            planner = scheduler.connector.planner
-            planner.check_invariants()
-            if not self.harness.in_flight:  # else a failure report may be on its way
-                assert self.harness.host_mirror_is_the_host_tier(), (
-                    "a failed load's key stayed in the host mirror")
-
-    TieredMachine.TestCase.settings = settings(TieredMachine.TestCase.settings,
-                                               max_examples=60, stateful_step_count=30)
-    TieredMachine.TestCase().runTest()
+    TieredAsyncMachine.TestCase.settings = settings(TieredAsyncMachine.TestCase.settings,
+                                                    max_examples=60, stateful_step_count=30)
+    TieredAsyncMachine.TestCase().runTest()

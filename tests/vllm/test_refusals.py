@@ -29,6 +29,7 @@ from kvbackend.vllm.scheduler import (
     STATE_LAYERS_REFUSAL, KVBackendScheduler, unsupported_features,
 )
 from tests.vllm.conftest import BLOCK_SIZE
+from tests.vllm.test_other_connectors import example_connector
 
 REFUSED = "kvbackend cannot serve this configuration"
 START_TIMEOUT_S = 300
@@ -208,23 +209,26 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
 
 
 @pytest.mark.parametrize("num_blocks, batched, connector, refusal", [
-    (64, 8192, False, None),
-    (20, 8192, False, "needs 16 blocks in the full-attention group and up to 16 in the 1 "
-                      "sliding-window groups, the KV cache holds 19"),
-    (24, 64, False, None),
-    (24, 64, True, "needs 16 blocks in each of the 2 groups, the KV cache holds 11"),
+    (64, 8192, None, None),
+    (20, 8192, None, "needs 16 blocks in the full-attention group and up to 16 in the 1 "
+                     "sliding-window groups, the KV cache holds 19"),
+    (24, 64, None, None),
+    (24, 64, "tiers", None),
+    (24, 64, "other", "needs 16 blocks in each of the 2 groups, the KV cache holds 11"),
 ])
-def test_several_groups_are_served_where_a_whole_request_fits(tiny_model, num_blocks, batched,
-                                                              connector, refusal):
+def test_several_groups_are_served_where_a_whole_request_fits(tiny_model, tmp_path, num_blocks,
+                                                              batched, connector, refusal):
     """A 512-token request takes 16 full-attention blocks (32 tokens each). Without a KV
-    connector its sliding-window pages (64-token window) are freed once out of the
-    window, so it holds at most vLLM's admission cap of them: all 16 with 8192-token
-    chunks, 4 with 64-token ones (cdiv(63 + 64, 32)), so 24 blocks serve it. With a
-    connector every group keeps every block: 24 blocks over 2 groups leave 11."""
+    connector, or with kvbackend's tiers only, its sliding-window pages (64-token window)
+    are freed once out of the window, so it holds at most vLLM's admission cap of them:
+    all 16 with 8192-token chunks, 4 with 64-token ones (cdiv(63 + 64, 32)), so 24 blocks
+    serve it. With another connector every group keeps every block: 24 blocks over 2
+    groups leave 11."""
+    transfer = {"tiers": {"host_cache_gb": 0.01},
+                "other": {"kv_transfer_config": example_connector(str(tmp_path))}}
     config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
                         block_size=BLOCK_SIZE, max_num_batched_tokens=batched,
-                        **engine_kwargs(**({"host_cache_gb": 0.01} if connector else {}))
-                        ).create_engine_config()
+                        **engine_kwargs(**transfer.get(connector, {}))).create_engine_config()
     kv_cache_config = _groups_config(_spec(FullAttentionSpec),
                                      _spec(SlidingWindowSpec, sliding_window=64),
                                      num_blocks=num_blocks)

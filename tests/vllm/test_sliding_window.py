@@ -152,6 +152,35 @@ def test_a_context_longer_than_every_groups_blocks_is_served(gemma, ref):
     assert ours.num_cached_tokens >= theirs.num_cached_tokens > 0
 
 
+def test_a_context_longer_than_every_groups_blocks_comes_back_from_the_host_tier(gemma, ref):
+    """The 1 MiB pool above with a host tier: the sliding-window pages are still freed
+    once out of every window (a tier block is saved while its window holds them, with
+    every group's KV), so the engine starts (keeping every group's blocks, kvbackend
+    refused this max_model_len with a tier) and the 900-token request runs. With the device cache dropped, the
+    next turn loads all 28 whole blocks from host: every group's KV for the blocks its
+    window reads, the full-attention KV for the others, which get no window pages."""
+    from kvbackend.vllm import engine_kwargs
+
+    small = dict(max_model_len=1024, kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=256)
+    block_bytes = 3 * BLOCK_SIZE * 2 * 1 * 64 * 4  # a page of each group's one layer
+    rng = random.Random(5)
+    first = [tokens(rng, 900)]
+    llm = make_engine(gemma, "kvbackend", **small, disable_log_stats=False, **engine_kwargs(
+        host_cache_gb=64 * block_bytes / (1 << 30)))
+    try:
+        (answer,) = run(llm, first)
+        assert answer.outputs[0].token_ids == run(ref, first)[0].outputs[0].token_ids
+        turn = [first[0] + list(answer.outputs[0].token_ids) + tokens(rng, 40)]
+        assert llm.reset_prefix_cache()
+        before = cached_by_source(llm)
+        (ours,) = run(llm, turn)
+        gained = {k: v - before.get(k, 0) for k, v in cached_by_source(llm).items()}
+    finally:
+        shutdown(llm)
+    assert ours.outputs[0].token_ids == run(ref, turn)[0].outputs[0].token_ids
+    assert ours.num_cached_tokens == gained["host"] == 900 // BLOCK_SIZE * BLOCK_SIZE
+
+
 def test_with_a_tier_vllm_keeps_its_hybrid_manager(gemma):
     """kvbackend's tier connector is ``SupportsHMA``: with a tier, vLLM keeps the three
     KV-cache groups (it turns its hybrid manager off for a connector that is not)."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
 from kvbackend.vllm.block_groups import WindowedBlockGroups
-from tests.vllm.async_harness import AsyncHarness, async_config
-from tests.vllm.test_async_scheduling import PREFIXES, HarnessMachine
+from tests.vllm.async_harness import AsyncHarness, async_config, tier_gb
+from tests.vllm.test_async_scheduling import HarnessMachine, TieredMachine, with_tiers
 
 BLOCK_SIZE, WINDOW = 4, 6
 NUM_BLOCKS = 24  # pages of either group: 23 usable, the null block aside
@@ -37,6 +38,14 @@ def harness_for(config, mode: str) -> AsyncHarness:
     chosen = copy.deepcopy(config)
     chosen.scheduler_config.async_scheduling = mode == "async"
     return AsyncHarness(chosen, num_blocks=NUM_BLOCKS, window=WINDOW)
+
+
+def tiered(config, mode: str):
+    """``config`` with kvbackend's tier connector, scheduling as ``mode`` says."""
+    chosen = with_tiers(config)
+    chosen.scheduler_config.async_scheduling = mode == "async"
+    chosen.scheduler_config.disable_hybrid_kv_cache_manager = False  # SupportsHMA
+    return chosen
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -123,3 +132,56 @@ def test_every_read_and_published_window_page_is_exact_stateful(config):
 
     WindowMachine.TestCase().runTest()
 
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_tier_hit_loads_its_window_in_every_group_and_the_rest_in_full_attention(
+        config, mode, tmp_path):
+    """With kvbackend's host tier the sliding-window pages are still freed: a's 44 tokens
+    are saved whole (every group's block, while its window held them), then the device
+    forgets them. b continues a: its tier hit loads all 11 blocks, but only the blocks
+    its window reads (from token 39 on: blocks 9 and 10) get pages, into which the load
+    writes the sliding-window group's KV; blocks 0-8 get the full-attention KV only.
+    Every read of both groups is checked, and b's published tokens stop where pages
+    stop: a hit after them is cut back to what its window still has."""
+    harness = AsyncHarness(tiered(config, mode), num_blocks=NUM_BLOCKS, window=WINDOW, tiers={
+        "host_cache_gb": tier_gb(config, 2 * 12), "disk_cache_dir": str(tmp_path)})
+    manager = harness.scheduler.kv_cache_manager
+    assert isinstance(manager.groups, WindowedBlockGroups)
+    a = list(range(1, 45))
+    harness.add("a", a, max_tokens=1)
+    harness.run_to_end()
+    assert manager.reset_prefix_cache()
+    harness.add("b", a + [95], max_tokens=2)
+    harness.schedule()
+    seq = manager._requests["b"].sequence
+    assert [manager.windows.has_pages(b) for b in seq.block_ids[:11]] == [False] * 9 + [True] * 2
+    starts = []  # b is scheduled once its load (asynchronous: several groups) is in
+    while harness.scheduler.has_unfinished_requests() or harness.in_flight:
+        if harness.in_flight:
+            harness.deliver()
+        else:
+            starts += [new.num_computed_tokens for new in harness.schedule().scheduled_new_reqs]
+    assert starts == [44]  # every block from the host tier
+    assert harness.scheduler.connector.planner.check_invariants() is None
+    manager.windows.check_invariants()
+
+
+def test_every_read_of_tier_loads_in_both_groups_is_exact_stateful(config):
+    """The tiered machine of ``test_async_scheduling`` on the model with a sliding-window
+    group: host and disk tiers, device cache dropped, disk files damaged; every read of
+    both groups is checked, and the window pages' invariants hold after every step."""
+    configs = {mode: tiered(config, mode) for mode in ("async", "sync")}
+
+    class TieredWindowMachine(TieredMachine):
+        @initialize(mode=st.sampled_from(["async", "async", "sync"]), seed=st.integers(0, 99))
+        def start(self, mode, seed):
+            self.begin(configs[mode], NUM_BLOCKS, seed, window=WINDOW)
+
+        @invariant()
+        def windows_are_consistent(self):
+            self.harness.scheduler.kv_cache_manager.windows.check_invariants()
+
+    TieredWindowMachine.TestCase.settings = settings(TieredWindowMachine.TestCase.settings,
+                                                     max_examples=40, stateful_step_count=30)
+    TieredWindowMachine.TestCase().runTest()
