@@ -72,6 +72,8 @@ bench: $(BENCH_STAMP) $(SGL_STAMP)
 	set -o pipefail; $(PY) benchmarks/bench_agents.py --json $(REPORT)/bench_agents.json \
 	    | tee $(REPORT)/bench_agents.txt
 	set -o pipefail; $(PY) benchmarks/bench_hybrid.py | tee $(REPORT)/bench_hybrid.txt
+	set -o pipefail; $(PY) benchmarks/bench_hybrid.py --model gemma3 --kv-cache-mib 3 \
+	    --max-model-len 1952 --rounds 8 --host-cache-gb 0.25 | tee $(REPORT)/bench_windows.txt
 	set -o pipefail; $(SGL_PY) benchmarks/bench_sglang.py | tee $(REPORT)/bench_sglang.txt
 	$(PY) benchmarks/report.py $(REPORT)
 

@@ -1,16 +1,26 @@
-"""A Mamba / linear-attention hybrid in vLLM (CPU): kvbackend beside vLLM's prefix caching.
+"""Models with several KV-cache groups in vLLM (CPU): kvbackend beside vLLM's prefix caching.
 
-    python benchmarks/bench_hybrid.py [--rounds 4] [--agents 8] [--budget 2048]
+    python benchmarks/bench_hybrid.py [--model qwen3-next|gemma3] [--rounds 4] [--agents 8]
+                                      [--budget 2048] [--kv-cache-mib 256] [--host-cache-gb 0]
 
-Model: the tiny random Qwen3-Next (``build_tiny_qwen3_next``: one Gated DeltaNet layer,
-one full-attention layer, bfloat16; vLLM fits one state page in a 288-token block).
+Models (tiny, random weights, built locally):
+
+    qwen3-next  a Mamba / linear-attention hybrid (``build_tiny_qwen3_next``: one Gated
+                DeltaNet layer, one full-attention layer, bfloat16; vLLM fits one state
+                page in a 288-token block)
+    gemma3      interleaved sliding-window and full attention (``build_tiny_gemma3``: two
+                64-token-window layers, one full layer, float32, 32-token blocks)
+
 Workload: ``--agents`` conversations on one 1,500-token system prompt, each turn adding
 the 16 greedy output tokens and a 30-token user message, ``--rounds`` turns, every turn
-one ``LLM.generate`` batch. Engines, one after another in this process:
+one ``LLM.generate`` batch, in ``--kv-cache-mib`` of KV cache. Engines, one after
+another in this process:
 
-    no-cache    vLLM, enable_prefix_caching=False
-    vllm-apc    vLLM's prefix caching (mamba_cache_mode "align")
-    kvbackend   kvbackend.vllm.engine_kwargs() (the same "align" mode, kvbackend's tree)
+    no-cache        vLLM, enable_prefix_caching=False
+    vllm-apc        vLLM's prefix caching ("align" mode for the state layers)
+    kvbackend       kvbackend.vllm.engine_kwargs() (the same "align" mode, kvbackend's tree)
+    kvbackend+host  the same with a ``--host-cache-gb`` host tier (when above 0; gemma3:
+                    kvbackend's tiers are refused with state layers)
 
 Reported per engine: the batches' wall time, relative to vllm-apc (measured in one run;
 absolute times on shared machines are noisy), the prompt tokens reused out of all prompt
@@ -27,22 +37,30 @@ import random
 import tempfile
 import time
 
-ENGINES = ("no-cache", "vllm-apc", "kvbackend")
 SYSTEM_TOKENS, TURN_TOKENS, OUTPUT_TOKENS = 1500, 30, 16
+DTYPES = {"qwen3-next": "bfloat16", "gemma3": "float32"}
+
+
+def engine_options(mode: str, args) -> dict:
+    """The engine's prefix-caching keyword arguments."""
+    import kvbackend.vllm
+
+    if mode == "kvbackend+host":
+        return kvbackend.vllm.engine_kwargs(host_cache_gb=args.host_cache_gb)
+    if mode == "kvbackend":
+        return kvbackend.vllm.engine_kwargs()
+    return {"enable_prefix_caching": mode == "vllm-apc"}
 
 
 def run(mode: str, model: str, args) -> dict:
     import vllm
     from vllm import SamplingParams
 
-    import kvbackend.vllm
-
-    kwargs = (kvbackend.vllm.engine_kwargs() if mode == "kvbackend"
-              else {"enable_prefix_caching": mode == "vllm-apc"})
-    llm = vllm.LLM(model=model, dtype="bfloat16", max_model_len=4096, enforce_eager=True,
-                   block_size=32,  # vLLM raises it to 288, one state page
-                   seed=0, kv_cache_memory_bytes=256 << 20,
-                   max_num_batched_tokens=args.budget, **kwargs)
+    llm = vllm.LLM(model=model, dtype=DTYPES[args.model], max_model_len=args.max_model_len,
+                   enforce_eager=True,
+                   block_size=32,  # qwen3-next: vLLM raises it to 288, one state page
+                   seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20,
+                   max_num_batched_tokens=args.budget, **engine_options(mode, args))
     rng = random.Random(5)
     words = lambda n: [rng.randrange(3, 512) for _ in range(n)]  # noqa: E731
     system = words(SYSTEM_TOKENS)
@@ -73,16 +91,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--model", choices=sorted(DTYPES), default="qwen3-next")
+    parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--host-cache-gb", type=float, default=0.0)
     args = parser.parse_args()
 
-    from kvbackend.testing.tiny_model import build_tiny_qwen3_next
+    from kvbackend.testing.tiny_model import build_tiny_gemma3, build_tiny_qwen3_next
 
+    engines = ["no-cache", "vllm-apc", "kvbackend"] + (
+        ["kvbackend+host"] if args.host_cache_gb > 0 else [])
+    build = build_tiny_gemma3 if args.model == "gemma3" else build_tiny_qwen3_next
     with tempfile.TemporaryDirectory(prefix="kvb-hybrid-") as model_dir:
-        model = build_tiny_qwen3_next(model_dir)
-        results = {mode: run(mode, model, args) for mode in ENGINES}
+        model = build(model_dir)
+        results = {mode: run(mode, model, args) for mode in engines}
     base = results["vllm-apc"]
-    print(f"\n{args.agents} agents x {args.rounds} turns on a {SYSTEM_TOKENS}-token system "
-          f"prompt, max_num_batched_tokens {args.budget}\n")
+    print(f"\n{args.model}: {args.agents} agents x {args.rounds} turns on a {SYSTEM_TOKENS}-"
+          f"token system prompt, max_num_batched_tokens {args.budget}, "
+          f"{args.kv_cache_mib} MiB of KV cache\n")
     print("| engine | batches (s) | time vs vllm-apc | prompt tokens reused | "
           "outputs = vllm-apc |")
     print("|---|---|---|---|---|")
