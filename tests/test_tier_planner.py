@@ -172,3 +172,20 @@ def test_with_several_groups_a_failed_load_fails_its_request_and_leaves_the_mirr
     assert set(planner.plan_step([]).drops) == {lost, kept} and not planner.host.keys()
     assert planner.lookup("r", tokens, b"", 0) == 0  # the retry recomputes
     planner.check_invariants()
+
+
+def test_a_block_a_sliding_window_group_no_longer_holds_is_never_saved():
+    """With several KV-cache groups each order names the block's physical block in every
+    group; a block whose sliding-window group lists vLLM's null block (0: its window page
+    was freed) is not whole on the device, so it gets no save order and no host slot
+    (the mirror would list a key whose payload lacks a group). A later load of such a
+    block names the 0 too: the worker fills the other groups."""
+    planner = TierPlanner(BS, DIGEST, host_capacity=8, disk_contains=None)
+    tokens = list(range(3, 3 + 3 * BS + 1))
+    assert planner.lookup("a", tokens, b"", 0) == 0
+    planner.allocated("a", [5, 6, 7, 8], 0, [(5, 0), (6, 0), (7, 17), (8, 18)])
+    orders = planner.plan_step([ScheduledRequest("a", 0, len(tokens), [5, 6, 7, 8],
+                                                 [(5, 0), (6, 0), (7, 17), (8, 18)])])
+    assert [(o.block_id, o.blocks) for o in orders.saves] == [(7, (7, 17))]
+    assert len(planner.host.keys()) == 1
+    planner.check_invariants()

@@ -282,6 +282,4 @@ class BlockMover:
         return rows.reshape(len(ids), -1)[held.to(rows.device)], ids[held]
 
 
-
-
 __all__ = ["BlockMover", "BlockRef", "READERS", "STAGED_BLOCKS"]

@@ -119,9 +119,7 @@ class PhysicalBlocks(Sequence[tuple[int, ...]]):
     def __len__(self) -> int:
         return len(self.per_group[0])
 
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def __getitem__(self, i: int) -> tuple[int, ...]:  # type: ignore[override]
         return tuple(ids[i] for ids in self.per_group)
 
 

@@ -68,8 +68,7 @@ window. Two layouts (``block_groups.py``):
 
 - one full-attention group and sliding-window groups, with no KV connector but
   kvbackend's tiers (``WindowedBlockGroups``): a logical block of the tree is the
-  full-attention
-  group's block, and its pages in the sliding-window groups are further blocks
+  full-attention group's block, and its pages in the sliding-window groups are further blocks
   of the same pool (``WindowPages``), held while a live request's window reaches
   the block. As vLLM's ``remove_skipped_blocks`` frees a request's blocks that
   fell out of its windows (on the processed-token basis: in-flight steps still
