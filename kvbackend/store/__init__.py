@@ -13,7 +13,7 @@
   the disk tier's index, shared size bound, retry delays and directory walker
 """
 
-from kvbackend.store.block_key import chain_key, compute_block_keys
+from kvbackend.store.block_key import chain_key, checkpoint_key, compute_block_keys
 from kvbackend.store.disk_tier import DiskTier
 from kvbackend.store.host_tier import HostTier
 from kvbackend.store.identity import CacheIdentity, model_fingerprint
@@ -21,7 +21,7 @@ from kvbackend.store.tier import Payload, TierStore
 
 __all__ = [
     "CacheIdentity", "DiskTier", "HostTier", "Payload", "RemoteTier", "TierStore", "chain_key",
-    "compute_block_keys", "model_fingerprint",
+    "checkpoint_key", "compute_block_keys", "model_fingerprint",
 ]
 
 

@@ -21,6 +21,12 @@ lookup is "how many leading keys are present" (``TierStore.contains_prefix``).
 The identity digest and namespace (tenant salt, LoRA, ...) are hashed into
 every link, not only the root, so a key alone says which model/tenant it is for.
 Only full blocks get keys: a partial tail is never stored in a tier.
+
+``checkpoint_key(key)`` names a second copy of block ``key`` whose recurrent-state
+pages (Mamba / linear-attention layers) hold the state after exactly its last
+token: another key for the same tokens, so a tier answers "is there a
+checkpoint here" as it answers any lookup, and no payload is ever read as a
+checkpoint unless it was saved as one.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from kvbackend.core.token_ops import as_token_array
 
 KEY_HEX_LEN = 64
 _DOMAIN = b"kvbackend-block-v1\0"
+_CHECKPOINT_DOMAIN = b"kvbackend-state-checkpoint-v1\0"
 _ROOT = bytes(32)
 _INT32_MAX = 2**31 - 1
 _WIDE = 1 << 31  # set in the count of a block hashed as int64
@@ -82,6 +89,12 @@ def chain_key(
     head = _DOMAIN + _raw32(identity_digest, "identity digest") + _namespace_bytes(namespace)
     parent_raw = _ROOT if parent is None else _raw32(parent, "parent key")
     return _link(head, parent_raw, as_token_array(block_tokens)).hex()
+
+
+def checkpoint_key(key: str) -> str:
+    """The key of block ``key``'s copy that holds a state checkpoint (module docstring).
+    Raises ``ValueError`` for a malformed key. O(1)."""
+    return hashlib.sha256(_CHECKPOINT_DOMAIN + _raw32(key, "block key")).hexdigest()
 
 
 def compute_block_keys(

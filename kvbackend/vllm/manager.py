@@ -120,8 +120,12 @@ scheduler ends a chunk there, and the state written there is copied next step
 into the block the tree lists for those tokens (a sibling's), so the next
 request sharing the prefix resumes from it. Every group keeps its blocks, as
 above: the state blocks of a long request stay, each holding a checkpoint or an
-intermediate state no hit reads. Tiers, other connectors and speculative decoding
-are refused with such models (``scheduler.py``); async scheduling is served (below).
+intermediate state no hit reads. kvbackend's tiers serve them: a tier hit ends on
+a block saved as a state checkpoint (``TierPlanner``), whose state pages its load
+fills; once the load is known good (``cache_blocks``) that block is recorded as a
+checkpoint, as if a step had ended there, and the workers resume the request from
+it. Other connectors and speculative decoding are refused with such models
+(``scheduler.py``); async scheduling is served (below).
 
 Async scheduling (``KVBackendAsyncScheduler``): step N+1 is scheduled while
 step N runs, so ``num_computed_tokens`` counts tokens whose step has not run
@@ -273,6 +277,7 @@ class _TrackedRequest:
     match: PrefixMatch | None = None  # from get_computed_blocks, consumed at admission
     num_published: int = 0  # tokens handed to the tree so far
     loading: bool = False  # an asynchronous load not yet reported: nothing published
+    load_end: int = 0  # hybrids: the end of a connector's load, a checkpoint once good
     priority: int = 0
     pin: bool = False
     retain_s: float = 0.0  # after the request finishes, keep its context ahead this long
@@ -460,6 +465,7 @@ class KVBackendManager(KVCacheManager):
             seq.block_ids[first_written // self.block_size: cdiv(end, self.block_size)],
             first_written)
         tracked.loading = delay_cache_blocks
+        tracked.load_end = computed if num_external_computed_tokens else 0
         if not num_external_computed_tokens:  # else: published once the load is known good
             self._scheduled[request.request_id] = (request, min(end, request.num_tokens), end)
         first_in_window = tracked.window_start if new_block_ids is seq.block_ids else 0
@@ -472,6 +478,10 @@ class KVBackendManager(KVCacheManager):
         if tracked is not None and tracked.sequence is not None:
             tracked.loading = False
             self._publish(request, tracked, min(num_computed_tokens, request.num_tokens))
+            if self.checkpoints is not None and 0 < tracked.load_end == num_computed_tokens:
+                # a load ends on a checkpoint (the tier planner's hits do), now known good
+                self._checkpoint_written(request, tracked, tracked.load_end, known=True)
+            tracked.load_end = 0
 
     def free(self, request: Request) -> None:
         """Publish every computed token (partial tail included; nothing while a load is
@@ -518,8 +528,9 @@ class KVBackendManager(KVCacheManager):
             self._advance_window(tracked, processed_computed_tokens)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """Mamba "align" partial tails handed to a KV connector: none (connectors are
-        refused with state layers)."""
+        """Mamba "align" partial tails handed to a KV connector: none (kvbackend's tiers
+        save checkpoints themselves, ``TierPlanner``; other connectors are refused with
+        state layers)."""
         return []
 
     def get_computed_blocks_for_connector(
@@ -692,8 +703,8 @@ class KVBackendManager(KVCacheManager):
 
     def _checkpoint_written(self, request: Request, tracked: _TrackedRequest, end: int,
                             known: bool) -> None:
-        """A step of ``request`` ends on block boundary ``end``: its block there holds a
-        checkpoint, and so will the block the tree lists for those tokens, if another
+        """A step of ``request`` (or a tier load known good) ends on block boundary
+        ``end``: its block there holds a checkpoint, and so will the block the tree lists for those tokens, if another
         (a sibling computed them first), after a copy next step; hits on it wait for
         that step. ``known``: the ids of those tokens are (under async scheduling the
         last one of a decode step is not sampled yet: the block then holds a checkpoint

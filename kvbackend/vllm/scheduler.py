@@ -82,9 +82,9 @@ def unsupported_features(config: VllmConfig,
             for g in kv_cache_config.kv_cache_groups),
         "Mamba / linear-attention hybrids together with speculative decoding (vLLM's "
         "speculative state blocks)": states and spec is not None,
-        "Mamba / linear-attention hybrids together with kvbackend's tiers or another KV "
-        "connector (they move attention KV pages, not state checkpoints)":
-            states and transfer is not None,
+        "Mamba / linear-attention hybrids together with a KV connector other than "
+        "kvbackend's tiers (it moves attention KV pages, not state checkpoints)":
+            states and not all(map(is_tier_connector, child_configs(transfer))),
         "KV-cache groups with different block sizes (one logical block spans every group)":
             kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config),
     }

@@ -17,7 +17,8 @@ adapter and cache salt are in the block keys, ``kvbackend.vllm.namespace``):
     several, vLLM's hybrid manager: their number, order and layers, since one payload
     holds every group's block in that order), ``--kv-cache-dtype`` and its skipped
     layers, the resolved physical KV layout (vLLM's ``KVCacheLayout``, which replaced
-    the backends' stride orders) and the attention backend that writes it;
+    the backends' stride orders) and the attention backend that writes it (a state
+    layer's state shapes, dtypes and kind are its spec's fields);
   * vLLM's version, the device type, the tensor-parallel rank and size.
 
 Left out on purpose, since they do not change the bytes: ``max_model_len``, seeds,
@@ -63,15 +64,21 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     after the first fingerprint of the weights (memoized)."""
     import vllm
     from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
     model_dir = resolve_model_dir(vllm_config)
     if model_dir is None:
         raise ValueError(f"cannot find the files of model {vllm_config.model_config.model!r} "
                          "to fingerprint its weights")
     groups = kv_cache_config.kv_cache_groups
-    spec = groups[0].kv_cache_spec
+    # the first group of token KV (a state group's dtypes are in its spec's fields)
+    spec = next((g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec)),
+                groups[0].kv_cache_spec)
     model, cache, load = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
-    layer_names = [name for group in groups for name in group.layer_names]
+    # The attention layers' backend (a state layer's state layout is in its spec; the
+    # scheduler process, which loads no model, resolves only the default backend).
+    layer_names = [name for group in groups if isinstance(group.kv_cache_spec, AttentionSpec)
+                   for name in group.layer_names]
     layout = "|".join([
         f"vllm-{vllm.__version__}", current_platform.device_type, *_group_layout(groups),
         f"kv_cache_layout={kv_cache_config.kv_cache_layout or cache.kv_cache_layout}",

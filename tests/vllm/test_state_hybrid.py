@@ -33,6 +33,7 @@ from kvbackend.vllm.scheduler import STATE_LAYERS_REFUSAL, unsupported_features
 from tests.token_reference import lcp
 from tests.vllm.conftest import generate, make_engine, shutdown
 from tests.vllm.conftest import random_tokens as tokens
+from tests.vllm.test_other_connectors import example_connector
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 KV_BYTES = 64 << 20
@@ -215,11 +216,20 @@ def test_hybrids_are_served_with_async_scheduling(qwen3_next):
 @pytest.mark.parametrize("extra, reason", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                               "prompt_lookup_max": 3}), "together with speculative decoding"),
-    (engine_kwargs(host_cache_gb=0.01), "together with kvbackend's tiers or another KV"),
+    (engine_kwargs(example_connector("/nonexistent")),
+     "together with a KV connector other than kvbackend's tiers"),
+    (engine_kwargs(example_connector("/nonexistent"), host_cache_gb=0.01),
+     "together with a KV connector other than kvbackend's tiers"),
+    (engine_kwargs(host_cache_gb=0.01), None),
 ])
 def test_what_hybrids_are_not_served_with_is_refused(qwen3_next, extra, reason):
+    """Speculative decoding and other KV connectors (alone or composed after the tiers)
+    are refused with a hybrid; kvbackend's tiers alone are served."""
     config = EngineArgs(model=qwen3_next, dtype="bfloat16", max_model_len=2048,
                         **{**engine_kwargs(), **extra}).create_engine_config()
     refused = unsupported_features(config, _hybrid_config())
-    assert len(refused) == 1 and reason in refused[0], refused
+    if reason is None:
+        assert refused == []
+    else:
+        assert len(refused) == 1 and reason in refused[0], refused
     assert unsupported_features(config, _hybrid_config("none"))[0] == STATE_LAYERS_REFUSAL

@@ -40,10 +40,15 @@ Several KV-cache groups (vLLM's hybrid manager, e.g. sliding-window + full
 attention): the connector is ``SupportsHMA``. A tier block is one logical block of
 kvbackend's manager (``kvbackend.vllm.block_groups``), its physical block in every
 group, saved and loaded as one payload under one key; the planner and the orders
-name it by its logical id, the worker's ``BlockMover`` moves physical blocks
-``[id * groups, (id + 1) * groups)``. vLLM takes no failed block ids with several
-groups (it raises), so every hit loads asynchronously and the workers report a
-failed load as a failed request (``failed_recving``), which vLLM recomputes whole.
+name it by its logical id and its physical block per group, read from vLLM's
+per-group block table (``ScheduledRequest.physical``), which the worker's
+``BlockMover`` moves. vLLM takes no failed block ids with several groups (it
+raises), so every hit loads asynchronously and the workers report a failed load as
+a failed request (``failed_recving``), which vLLM recomputes whole. Mamba /
+linear-attention hybrids ("align" mode): the state groups' pages of a block are
+saved and loaded like any group's, and a hit ends on a block saved as a state
+checkpoint (``TierPlanner``, "State checkpoints"); their state tensors are views of
+the buffers the attention layers' tensors span (``cache_layers``).
 
 Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
 disk tier separates TP ranks by directory and header, the remote tier by key
@@ -76,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, TIER_KEYS, KVBackendConfig
@@ -178,7 +184,10 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                            prefetch_step_blocks=PREFETCH_STEP_BYTES // max(1, self.block_nbytes),
                            max_steps_in_flight=self._vllm_config.max_concurrent_batches,
                            all_loads_async=self.num_groups > 1 or bool(
-                               self._vllm_config.scheduler_config.async_scheduling))
+                               self._vllm_config.scheduler_config.async_scheduling),
+                           state_groups=[g for g, group in enumerate(
+                               self.kv_cache_config.kv_cache_groups)
+                               if isinstance(group.kv_cache_spec, MambaSpec)])
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""
@@ -304,9 +313,11 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         for key in orders.drops:
             events.tier_removed(HOST, key)
         for order in orders.loads:
-            if order.promote:
+            if order.promote and not order.checkpoint:
                 events.tier_stored(HOST, order.key, order.block_id)
         for order in orders.saves:
+            if order.checkpoint:  # its block's own copy is announced
+                continue
             for tier, ordered in ((HOST, order.to_host), (DISK, order.to_disk),
                                   (REMOTE, order.to_remote)):
                 if ordered:
@@ -424,9 +435,11 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         config = self.kv_cache_config
         groups = config.kv_cache_groups
+        states = [isinstance(group.kv_cache_spec, MambaSpec) for group in groups]
         layers, block_dim = cache_layers(
-            kv_caches, [name for group in groups for name in group.layer_names],
-            config.num_blocks)
+            kv_caches, [name for group, state in zip(groups, states) if not state
+                        for name in group.layer_names], config.num_blocks,
+            [name for group, state in zip(groups, states) if state for name in group.layer_names])
         nbytes = block_layout(layers, block_dim).block_nbytes * self.num_groups
         if nbytes != self.block_nbytes:
             raise ValueError(f"a block of every group holds {nbytes} bytes over the KV "

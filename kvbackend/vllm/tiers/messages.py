@@ -26,13 +26,16 @@ class LoadOrder(NamedTuple):
     from disk, else from the remote tier; with ``promote``, a block read from disk or
     the remote tier is kept in host memory too. ``physical``: with several KV-cache
     groups, its block in each (``block_id`` is then kvbackend's logical id; a 0: that
-    group no longer holds the block, see ``BlockMover``)."""
+    group no longer holds the block, or, in a state group, its page is not loaded: see
+    ``BlockMover``). ``checkpoint``: ``key`` is a ``checkpoint_key``, whose state pages
+    are loaded too (the last block of a Mamba / linear-attention hybrid's hit)."""
 
     request_id: str
     block_id: int
     key: str
     promote: bool
     physical: tuple[int, ...] = ()
+    checkpoint: bool = False
 
     @property
     def blocks(self) -> int | tuple[int, ...]:
@@ -43,7 +46,9 @@ class LoadOrder(NamedTuple):
 class SaveOrder(NamedTuple):
     """Copy block ``block_id`` (all layers, complete after this step's forward pass)
     into the host, disk and/or remote tier under ``key``; ``physical`` as for
-    ``LoadOrder`` (never a 0: a block some group no longer holds is not saved)."""
+    ``LoadOrder`` (never a 0: a block some group no longer holds is not saved);
+    ``checkpoint``: ``key`` is a ``checkpoint_key`` (a step of the request ended on the
+    block's last token, so its state pages hold the state there)."""
 
     request_id: str
     block_id: int
@@ -52,6 +57,7 @@ class SaveOrder(NamedTuple):
     to_disk: bool
     to_remote: bool = False
     physical: tuple[int, ...] = ()
+    checkpoint: bool = False
 
     @property
     def blocks(self) -> int | tuple[int, ...]:

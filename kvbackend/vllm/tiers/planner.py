@@ -76,6 +76,18 @@ identity). Calls, in vLLM's order within a step:
                         loaded from there; gone: a probe missed, a load failed), for
                         KV events; the connector drains it every step.
 
+State checkpoints (``state_groups``: a Mamba / linear-attention hybrid in vLLM's
+"align" mode, ``kvbackend/vllm/state_checkpoints.py``): a block's state pages hold
+the state after exactly its last token only if a step of the request that computed
+it ended there. ``plan_step`` records those step ends; such a block is saved twice,
+under its key (every page; its state pages are never read from this copy) and under
+``checkpoint_key(key)``. A lookup's hit is cut back to its longest prefix whose last
+block has a checkpoint copy in some tier (host, else disk, else remote within the
+step's remote loads), and that block loads from it, state pages included; the hit's
+other blocks load their attention pages only (their state pages stay 0 in the load
+order's ``physical``). The workers then resume the request from that state, as from
+a device hit's. Checkpoint copies are not announced as KV events (their blocks are).
+
 Steps in flight: under vLLM's async scheduling step N+1 is planned before step N's
 failures are reported, so the loads of the last ``max_steps_in_flight`` planned
 steps are kept, oldest first; a report matches the failed block ids against all of
@@ -100,7 +112,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvbackend.store import compute_block_keys
+from kvbackend.store import checkpoint_key, compute_block_keys
 from kvbackend.vllm.tiers.host_mirror import HostMirror
 from kvbackend.vllm.tiers.messages import (
     LoadOrder, SaveOrder, ScheduledRequest, Source, StepOrders, TierFact,
@@ -114,6 +126,7 @@ class _Lookup:
     """A lookup's hit, kept from ``lookup`` until the request's ``allocated``."""
 
     start: int  # first hit block: the device hit, in blocks
+    keys: list[str]  # one per hit block: what its load reads
     sources: list[Source]  # one per hit block
     pinned: list[str]  # its host keys, pinned in the mirror
 
@@ -136,6 +149,8 @@ class _Request:
     lookup: _Lookup | None = None
     sources: dict[Source, int] = field(default_factory=dict)  # tokens per tier, last load
     load_async: bool = False  # its last lookup's hit has remote blocks
+    # hybrids: blocks (not yet considered for saving) on whose last token a step ended
+    state_ends: set[int] = field(default_factory=set)
 
 
 class TierPlanner:
@@ -150,7 +165,9 @@ class TierPlanner:
     (seconds) times retentions. ``max_steps_in_flight``: steps planned before the oldest
     one's output is in (vLLM's ``max_concurrent_batches``: 2 with async scheduling);
     ``all_loads_async``: every hit loads asynchronously (async scheduling, several
-    KV-cache groups: see ``lookup`` in the module docstring).
+    KV-cache groups: see ``lookup`` in the module docstring). ``state_groups``: the
+    positions, in a block's ``physical`` tuple, of a Mamba / linear-attention hybrid's
+    state groups ("State checkpoints" in the module docstring).
 
     Invariants (``check_invariants``):
       * the mirror's own (``HostMirror.check_invariants``);
@@ -164,7 +181,9 @@ class TierPlanner:
       * the queued prefetches, at most ``prefetch_step_blocks``, are arriving, unpinned
         mirror keys of known requests, and only while the disk is on;
       * a request listed for an asynchronous load had a remote hit in its lookup, or
-        every load is asynchronous; the loads awaited are those of known requests.
+        every load is asynchronous; the loads awaited are those of known requests;
+      * step ends are recorded only with state groups, and every pending lookup of a
+        hybrid ends on a checkpoint key.
     """
 
     def __init__(self, block_size: int, key_digest: str, host_capacity: int,
@@ -173,7 +192,7 @@ class TierPlanner:
                  remote_step_blocks: int = 0, max_retained: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  prefetch_step_blocks: int = 0, max_steps_in_flight: int = 1,
-                 all_loads_async: bool = False) -> None:
+                 all_loads_async: bool = False, state_groups: Collection[int] = ()) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(max_steps_in_flight, int) or max_steps_in_flight <= 0:
@@ -193,6 +212,7 @@ class TierPlanner:
         self._requests: dict[str, _Request] = {}
         self._step_loads: dict[str, _Loads] = {}  # planned for the step being scheduled
         self.all_loads_async = all_loads_async
+        self.state_groups = frozenset(state_groups)
         # Per step sent and not known finished, oldest first: request -> its loads.
         self._in_flight: deque[dict[str, _Loads]] = deque(maxlen=max_steps_in_flight)
         self._loads: list[LoadOrder] = []
@@ -247,6 +267,7 @@ class TierPlanner:
         start, limit = num_computed_tokens // bs, (len(tokens) - 1) // bs
         if num_computed_tokens % bs or start >= limit:
             return 0
+        st.state_ends.clear()
         sources: list[Source] = []
         for key in self._keys(st, limit)[start:]:
             if self.host.holds(key):
@@ -263,12 +284,15 @@ class TierPlanner:
             sources += [Source.REMOTE] * found
             if found < len(probed):
                 self._facts.append(TierFact(Source.REMOTE, probed[found], None))
+        keys = st.keys[start:start + len(sources)]
+        if self.state_groups:  # the hit ends on a checkpoint: its last block loads that
+            keys, sources = self._checkpoint_hit(keys, sources)
         if not sources:
             return 0
-        pinned = [k for k, s in zip(st.keys[start:], sources) if s is Source.HOST]
+        pinned = [k for k, s in zip(keys, sources) if s is Source.HOST]
         for key in pinned:
             self.host.pin(key)
-        st.lookup = _Lookup(start, sources, pinned)
+        st.lookup = _Lookup(start, keys, sources, pinned)
         st.load_async = self.all_loads_async or Source.REMOTE in sources
         return len(sources) * bs
 
@@ -293,15 +317,21 @@ class TierPlanner:
             if st.load_async and num_external_tokens > 0:  # vLLM awaits its report
                 self._async[request_id] = None
         count = num_external_tokens // self.block_size
-        if count > 0 and (lookup is None or count > len(lookup.sources)):
+        if count > 0 and (lookup is None or count > len(lookup.sources) or (
+                self.state_groups and count != len(lookup.sources))):
             logger.error("kvbackend tiers: request %s adopted %d tier tokens that its lookup "
-                         "did not offer; this indicates a bug", request_id, num_external_tokens)
+                         "did not offer (or, with state layers, that do not end on its "
+                         "checkpoint); this indicates a bug", request_id, num_external_tokens)
             self.fail_loads(request_id, block_ids)
             count = 0
         loads = _Loads()
         for j in range(count):
             i = lookup.start + j
-            key, block_id = st.keys[i], block_ids[i]
+            key, block_id = lookup.keys[j], block_ids[i]
+            checkpoint = bool(self.state_groups) and j == count - 1
+            blocks = physical[i] if physical else ()
+            if self.state_groups and not checkpoint:  # attention KV only
+                blocks = tuple(0 if g in self.state_groups else b for g, b in enumerate(blocks))
             if lookup.sources[j] is Source.HOST:
                 self.host.touch(key)
                 self.host.pin(key)
@@ -312,9 +342,8 @@ class TierPlanner:
                 self._step_remote += 1
             else:  # the load promotes a prefetch of this step instead of reading twice
                 promote = self._prefetches.pop(key, None) is not None or self._host_insert(key)
-            self._loads.append(LoadOrder(request_id, block_id, key, promote,
-                                         physical[i] if physical else ()))
-            if lookup.sources[j] is not Source.HOST:
+            self._loads.append(LoadOrder(request_id, block_id, key, promote, blocks, checkpoint))
+            if lookup.sources[j] is not Source.HOST and not checkpoint:
                 self._facts.append(TierFact(lookup.sources[j], key, block_id))
             loads.blocks[block_id] = key
             st.sources[lookup.sources[j]] = st.sources.get(lookup.sources[j], 0) + self.block_size
@@ -355,6 +384,9 @@ class TierPlanner:
         saves: list[SaveOrder] = []
         for request in scheduled:
             st = self._requests.get(request.request_id)
+            end = request.num_computed_tokens + request.num_scheduled_tokens
+            if st is not None and self.state_groups and end % self.block_size == 0:
+                st.state_ends.add(end // self.block_size - 1)  # its block there holds one
             if st is not None and request.request_id not in self._step_loads:
                 self._plan_saves(request, st, saves)
         for st in self._requests.values():  # lookups whose allocation failed
@@ -513,7 +545,33 @@ class TierPlanner:
             if to_host or to_disk or to_remote:
                 saves.append(SaveOrder(request.request_id, request.block_ids[i], keys[i],
                                        to_host, to_disk, to_remote, physical))
+            if i in st.state_ends:  # and a copy whose state pages a hit resumes from
+                st.state_ends.discard(i)
+                key = checkpoint_key(keys[i])
+                saves.append(SaveOrder(request.request_id, request.block_ids[i], key,
+                                       self._host_insert(key), to_disk, to_remote, physical,
+                                       checkpoint=True))
         st.num_checked = num_full
+
+    def _checkpoint_hit(self, keys: list[str], sources: list[Source]
+                        ) -> tuple[list[str], list[Source]]:
+        """The longest prefix of a hit (``keys``, ``sources``) whose last block has a
+        checkpoint copy in some tier, its last key that copy's (from the remote tier only
+        within this step's remote loads). O(hit blocks) probes."""
+        room = self.remote_step_blocks - self._step_remote - sources.count(Source.REMOTE)
+        for n in range(len(keys), 0, -1):
+            key = checkpoint_key(keys[n - 1])
+            if self.host.holds(key):
+                source = Source.HOST
+            elif self.disk_contains is not None and self.disk_contains(key):
+                source = Source.DISK
+            elif (self.remote_contains is not None and (room > 0 or sources[n - 1] is Source.REMOTE)
+                  and self.remote_contains([key])):
+                source = Source.REMOTE
+            else:
+                continue
+            return [*keys[:n - 1], key], [*sources[:n - 1], source]
+        return [], []
 
     def _end_lookup(self, st: _Request) -> None:
         if st.lookup is not None:
@@ -533,6 +591,11 @@ class TierPlanner:
         for st in self._requests.values():
             if st.lookup is not None:
                 listed.update(st.lookup.pinned)
+                if self.state_groups and st.lookup.keys[-1] != checkpoint_key(
+                        st.keys[st.lookup.start + len(st.lookup.keys) - 1]):
+                    raise RuntimeError("a hybrid's hit does not end on a checkpoint copy")
+            if st.state_ends and not self.state_groups:
+                raise RuntimeError("step ends recorded without state groups")
             if st.num_checked > len(st.keys):
                 raise RuntimeError(f"{st.num_checked} blocks considered for saving, only "
                                    f"{len(st.keys)} keys")

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -297,25 +298,48 @@ def _corrupt_count(tier: object) -> int:
     return tier.stats().get("corrupt", 0)
 
 
-def cache_layers(kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
-                 num_blocks: int) -> tuple[list[torch.Tensor], int]:
+def cache_layers(kv_caches: Mapping[str, torch.Tensor | Sequence[torch.Tensor]],
+                 layer_names: Sequence[str], num_blocks: int,
+                 state_layer_names: Sequence[str] = ()) -> tuple[list[torch.Tensor], int]:
     """The distinct KV tensors of ``layer_names`` and the dimension that indexes their
-    ``num_blocks`` blocks (vLLM's CPU layout ``[2, num_blocks, ...]``: 1). Raises
-    ValueError for a layout this cannot place. O(layers)."""
+    ``num_blocks`` blocks (vLLM's CPU layout ``[2, num_blocks, ...]``: 1). The state
+    layers (Mamba / linear attention) add none: in vLLM's hybrid layout their state
+    tensors are views, block for block, of buffers whose pages the attention layers'
+    tensors span, so moving such a tensor's block moves the state page too (checked).
+    Raises ValueError for a layout this cannot place. O(layers)."""
     layers, seen = [], set()
-    for name in layer_names:
-        tensor = kv_caches.get(name)
-        if tensor is None:
+    for name in [*layer_names, *state_layer_names]:
+        if kv_caches.get(name) is None:
             raise ValueError(f"no KV cache tensor for layer {name}")
+    for name in layer_names:
+        tensor = kv_caches[name]
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             layers.append(tensor)
+    if not layers:
+        raise ValueError("no attention layer's KV tensor spans the state layers' pages")
     shape = list(layers[0].shape)
     dims = [d for d, size in enumerate(shape) if size == num_blocks]
     if not dims:
         raise ValueError(f"no dimension of the KV cache shape {shape} indexes {num_blocks} blocks")
     block_dim = 1 if len(dims) > 1 and shape[0] == 2 and 1 in dims else dims[0]
+    for name in state_layer_names:
+        views = kv_caches[name]
+        for state in [views] if isinstance(views, torch.Tensor) else views:
+            if not any(_spans_pages(layer, block_dim, state, num_blocks) for layer in layers):
+                raise ValueError(f"a state tensor of layer {name} is not a per-block view of "
+                                 "a buffer an attention layer's KV tensor spans block by block")
     return layers, block_dim
+
+
+def _spans_pages(layer: torch.Tensor, block_dim: int, state: torch.Tensor,
+                 num_blocks: int) -> bool:
+    """Whether ``state`` (blocks at dimension 0) lies in ``layer``'s buffer with the same
+    bytes per block, and ``layer``'s blocks are its outermost dimension."""
+    start, page = layer.data_ptr(), layer.nbytes // num_blocks
+    return (math.prod(layer.shape[:block_dim]) == 1 and state.dim() > 0
+            and state.shape[0] == num_blocks and state.stride(0) * state.element_size() == page
+            and start <= state.data_ptr() < start + page)
 
 
 __all__ = ["TierWorker", "cache_layers"]

@@ -1,0 +1,130 @@
+"""The tier planner with a Mamba / linear-attention hybrid's state group ("State
+checkpoints" in ``kvbackend/vllm/tiers/planner.py``): which blocks are saved as
+checkpoints, and that a hit ends on one, loading its state pages and no other's.
+
+Physical tuples here are (state group, attention group)."""
+
+from __future__ import annotations
+
+from kvbackend.store import checkpoint_key, compute_block_keys
+from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
+from kvbackend.vllm.tiers.planner import TierPlanner
+
+BS = 4
+DIGEST = "cd" * 32
+PROMPT = list(range(5, 5 + 3 * BS + 1))  # three whole blocks and one token
+
+
+def _planner(disk_contains=None) -> TierPlanner:
+    return TierPlanner(BS, DIGEST, host_capacity=16, disk_contains=disk_contains,
+                       state_groups=(0,))
+
+
+def _table(first: int, n: int) -> tuple[list[int], list[tuple[int, int]]]:
+    ids = list(range(first, first + n))
+    return ids, [(b, 100 + b) for b in ids]
+
+
+def _prefill(planner: TierPlanner, request_id: str, tokens: list[int], chunk_ends: list[int],
+             first_block: int = 1) -> list:
+    """Admit ``request_id`` with no hit and run its prefill in steps ending on
+    ``chunk_ends``; the save orders of every step."""
+    assert planner.lookup(request_id, tokens, b"", 0) == 0
+    ids, physical = _table(first_block, -(-len(tokens) // BS))
+    planner.allocated(request_id, ids, 0, physical)
+    saves, start = [], 0
+    for end in chunk_ends:
+        orders = planner.plan_step([ScheduledRequest(request_id, start, end - start, ids,
+                                                     physical)])
+        saves += orders.saves
+        planner.step_finished(())
+        start = end
+    planner.check_invariants()
+    return saves
+
+
+def test_only_a_block_a_step_ended_on_is_saved_as_a_checkpoint():
+    """Chunks ending on 8 and 13: blocks 0-2 are saved with every page; block 1 (the step
+    ending on 8) is saved a second time, under its checkpoint key, and no other is."""
+    planner = _planner()
+    saves = _prefill(planner, "a", PROMPT, [2 * BS, 3 * BS + 1])
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    assert [(o.key, o.block_id, o.physical, o.checkpoint) for o in saves] == [
+        (keys[0], 1, (1, 101), False), (keys[1], 2, (2, 102), False),
+        (checkpoint_key(keys[1]), 2, (2, 102), True), (keys[2], 3, (3, 103), False)]
+
+
+def test_a_hit_ends_on_its_last_checkpoint_and_loads_only_that_blocks_state():
+    """A second request shares all three whole blocks, but only block 1 holds a state:
+    the hit is two blocks; block 0 loads its attention page only (its state page stays
+    0 in the order), block 1 loads its checkpoint copy, state page included."""
+    planner = _planner()
+    _prefill(planner, "a", PROMPT, [2 * BS, 3 * BS + 1])
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    other = PROMPT + [7, 7, 7]
+    assert planner.lookup("b", other, b"", 0) == 2 * BS
+    ids, physical = _table(20, 4)
+    planner.allocated("b", ids, 2 * BS, physical)
+    assert planner.hit_sources("b", 2 * BS) == {Source.HOST: 2 * BS}
+    orders = planner.plan_step([])
+    assert [(o.block_id, o.key, o.physical, o.checkpoint) for o in orders.loads] == [
+        (20, keys[0], (0, 120), False), (21, checkpoint_key(keys[1]), (21, 121), True)]
+    planner.check_invariants()
+
+
+def test_no_checkpoint_in_the_hit_means_no_hit():
+    """One chunk ending on 13 leaves no checkpoint on a block boundary: nothing to
+    resume from, whatever the tiers hold."""
+    planner = _planner()
+    _prefill(planner, "a", PROMPT, [3 * BS + 1])
+    assert planner.lookup("b", PROMPT + [9], b"", 0) == 0
+    planner.check_invariants()
+
+
+def test_a_checkpoint_on_disk_only_is_found_there():
+    """The block keys are in host memory, the checkpoint copy on disk only (another
+    process wrote it): the hit's last block loads from disk."""
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    planner = _planner(disk_contains={checkpoint_key(keys[2])}.__contains__)
+    _prefill(planner, "a", PROMPT, [3 * BS + 1])
+    assert planner.lookup("b", PROMPT + [9], b"", 0) == 3 * BS
+    ids, physical = _table(30, 4)
+    planner.allocated("b", ids, 3 * BS, physical)
+    assert planner.hit_sources("b", 3 * BS) == {Source.HOST: 2 * BS, Source.DISK: BS}
+    last = planner.plan_step([]).loads[-1]
+    assert (last.key, last.physical, last.checkpoint) == (checkpoint_key(keys[2]), (32, 132), True)
+    planner.check_invariants()
+
+
+def test_adopting_less_than_the_hit_fails_its_blocks():
+    """A hit cut short by vLLM would not end on the checkpoint its lookup found: every
+    block is reported as a failed load (recomputed), none is loaded."""
+    planner = _planner()
+    _prefill(planner, "a", PROMPT, [2 * BS, 3 * BS + 1])
+    assert planner.lookup("b", PROMPT + [1], b"", 0) == 2 * BS
+    ids, physical = _table(40, 4)
+    planner.allocated("b", ids, BS, physical)
+    orders = planner.plan_step([])
+    assert not orders.loads and orders.failed == tuple(("b", b) for b in ids)
+    planner.check_invariants()
+
+
+def test_a_step_end_whose_token_is_not_known_yet_still_marks_its_block():
+    """Async scheduling: a decode step ends on a boundary before its token is sampled,
+    so the block is considered for saving a step later; it is saved as a checkpoint
+    then (no later step writes its state page)."""
+    planner = _planner()
+    tokens = PROMPT[:2 * BS - 1]
+    assert planner.lookup("a", tokens, b"", 0) == 0
+    ids, physical = _table(1, 2)
+    planner.allocated("a", ids, 0, physical)
+    orders = planner.plan_step([ScheduledRequest("a", 0, 2 * BS - 1, ids, physical)])
+    assert [o.block_id for o in orders.saves] == [1]
+    orders = planner.plan_step([ScheduledRequest("a", 2 * BS - 1, 1, ids, physical)])
+    assert not orders.saves  # the token at 7 is not sampled yet
+    tokens.append(42)
+    orders = planner.plan_step([ScheduledRequest("a", 2 * BS, 1, ids, physical)])
+    key = compute_block_keys(tokens, BS, DIGEST)[1]
+    assert [(o.key, o.checkpoint) for o in orders.saves] == [(key, False),
+                                                             (checkpoint_key(key), True)]
+    planner.check_invariants()
