@@ -74,6 +74,16 @@ def cached_by_source(llm) -> dict[str, float]:
             if m.name == "vllm:prompt_tokens_cached_by_source"}
 
 
+def assert_one_request_failed_a_damaged_load(capfd) -> None:
+    """The engine's logs since the last ``capfd.readouterr()``: a damaged tier file was
+    dropped, and exactly one request was recomputed whole for it (several KV-cache
+    groups: vLLM takes a failed load only per request)."""
+    logs = capfd.readouterr()
+    logs = logs.out + logs.err
+    assert "dropping bad block file" in logs
+    assert logs.count("its tier hit failed to load; the request is recomputed") == 1
+
+
 def numba_modules_after(code: str) -> str:
     """The numba/llvmlite modules a fresh interpreter has loaded after running ``code``
     (printed as a sorted list: "[]" for none)."""
