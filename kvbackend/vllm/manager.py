@@ -704,9 +704,9 @@ class KVBackendManager(KVCacheManager):
     def _checkpoint_written(self, request: Request, tracked: _TrackedRequest, end: int,
                             known: bool) -> None:
         """A step of ``request`` (or a tier load known good) ends on block boundary
-        ``end``: its block there holds a checkpoint, and so will the block the tree lists for those tokens, if another
-        (a sibling computed them first), after a copy next step; hits on it wait for
-        that step. ``known``: the ids of those tokens are (under async scheduling the
+        ``end``: its block there holds a checkpoint, and so will the block the tree
+        lists for those tokens, if another (a sibling computed them first), after a copy
+        next step; hits on it wait for that step. ``known``: the ids of those tokens are (under async scheduling the
         last one of a decode step is not sampled yet: the block then holds a checkpoint
         for whichever token it is, published once sampled, and no sibling's block is
         looked up). O(depth + end)."""
