@@ -706,10 +706,10 @@ class KVBackendManager(KVCacheManager):
         """A step of ``request`` (or a tier load known good) ends on block boundary
         ``end``: its block there holds a checkpoint, and so will the block the tree
         lists for those tokens, if another (a sibling computed them first), after a copy
-        next step; hits on it wait for that step. ``known``: the ids of those tokens are (under async scheduling the
-        last one of a decode step is not sampled yet: the block then holds a checkpoint
-        for whichever token it is, published once sampled, and no sibling's block is
-        looked up). O(depth + end)."""
+        next step; hits on it wait for that step. ``known``: the ids of those tokens are
+        (under async scheduling the last one of a decode step is not sampled yet: the
+        block then holds a checkpoint for whichever token it is, published once sampled,
+        and no sibling's block is looked up). O(depth + end)."""
         index = end // self.block_size - 1
         own = tracked.sequence.block_ids[index]
         self.checkpoints.add(own)

@@ -135,6 +135,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = KVBackendConfig.from_dict({k: extra[k] for k in TIER_KEYS if k in extra})
         self.kv_cache_config = kv_cache_config
         self.num_groups = len(kv_cache_config.kv_cache_groups)
+        # Mamba / linear-attention groups, by position (TierPlanner, cache_layers)
+        self.state_groups = [g for g, group in enumerate(kv_cache_config.kv_cache_groups)
+                             if isinstance(group.kv_cache_spec, MambaSpec)]
         self.block_nbytes = block_nbytes(kv_cache_config)
         self.planner: TierPlanner | None = None
         # Until register_kv_caches sets up the tiers:
@@ -185,9 +188,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                            max_steps_in_flight=self._vllm_config.max_concurrent_batches,
                            all_loads_async=self.num_groups > 1 or bool(
                                self._vllm_config.scheduler_config.async_scheduling),
-                           state_groups=[g for g, group in enumerate(
-                               self.kv_cache_config.kv_cache_groups)
-                               if isinstance(group.kv_cache_spec, MambaSpec)])
+                           state_groups=self.state_groups)
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""
@@ -435,11 +436,10 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         config = self.kv_cache_config
         groups = config.kv_cache_groups
-        states = [isinstance(group.kv_cache_spec, MambaSpec) for group in groups]
         layers, block_dim = cache_layers(
-            kv_caches, [name for group, state in zip(groups, states) if not state
+            kv_caches, [name for g, group in enumerate(groups) if g not in self.state_groups
                         for name in group.layer_names], config.num_blocks,
-            [name for group, state in zip(groups, states) if state for name in group.layer_names])
+            [name for g in self.state_groups for name in groups[g].layer_names])
         nbytes = block_layout(layers, block_dim).block_nbytes * self.num_groups
         if nbytes != self.block_nbytes:
             raise ValueError(f"a block of every group holds {nbytes} bytes over the KV "
