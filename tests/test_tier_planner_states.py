@@ -128,3 +128,42 @@ def test_a_step_end_whose_token_is_not_known_yet_still_marks_its_block():
     assert [(o.key, o.checkpoint) for o in orders.saves] == [(key, False),
                                                              (checkpoint_key(key), True)]
     planner.check_invariants()
+
+
+def test_a_retained_context_keeps_its_checkpoint_copies():
+    """``kv_retain_s``: ordinary traffic that fills the host tier evicts neither the
+    retained blocks nor the checkpoint copy a hit on them must end on (an ordinary
+    checkpoint key went first, and the retained context was no hit at all)."""
+    now = [0.0]
+    planner = TierPlanner(BS, DIGEST, host_capacity=8, disk_contains=None, max_retained=4,
+                          clock=lambda: now[0], state_groups=(0,))
+    _prefill(planner, "a", PROMPT, [2 * BS, 3 * BS + 1])  # k0, k1, ck1, k2
+    planner.request_finished("a", retain_s=10.0)
+    other = [900 + t for t in range(6 * BS + 1)]
+    _prefill(planner, "c", other, [len(other)], first_block=50)  # six ordinary keys
+    planner.request_finished("c")
+    now[0] = 5.0
+    assert planner.lookup("b", PROMPT + [9], b"", 0) == 2 * BS
+    ids, physical = _table(60, 4)
+    planner.allocated("b", ids, 2 * BS, physical)
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    assert [o.key for o in planner.plan_step([]).loads] == [keys[0], checkpoint_key(keys[1])]
+    planner.check_invariants()
+
+
+def test_a_prefetch_brings_the_checkpoint_copy_its_run_ends_on():
+    """Another process left blocks 0-2 and block 1's checkpoint copy on disk: an
+    arriving request's prefetch reads the checkpoint copy into host memory with the
+    blocks, so its hit loads from host only."""
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    on_disk = {*keys, checkpoint_key(keys[1])}
+    planner = TierPlanner(BS, DIGEST, host_capacity=8, disk_contains=on_disk.__contains__,
+                          prefetch_step_blocks=8, state_groups=(0,))
+    assert planner.prefetch("b", PROMPT + [9], b"") == 4
+    assert planner.plan_step([]).prefetches == (*keys, checkpoint_key(keys[1]))
+    planner.step_finished(())
+    assert planner.lookup("b", PROMPT + [9], b"", 0) == 2 * BS
+    ids, physical = _table(70, 4)
+    planner.allocated("b", ids, 2 * BS, physical)
+    assert planner.hit_sources("b", 2 * BS) == {Source.HOST: 2 * BS}
+    planner.check_invariants()

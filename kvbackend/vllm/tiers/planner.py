@@ -86,7 +86,9 @@ block has a checkpoint copy in some tier (host, else disk, else remote within th
 step's remote loads), and that block loads from it, state pages included; the hit's
 other blocks load their attention pages only (their state pages stay 0 in the load
 order's ``physical``). The workers then resume the request from that state, as from
-a device hit's. Checkpoint copies are not announced as KV events (their blocks are).
+a device hit's. A prefetch also queues the checkpoint copy its run would end on, and
+a retention keeps each block's checkpoint copy with it. Checkpoint copies are not
+announced as KV events (their blocks are).
 
 Steps in flight: under vLLM's async scheduling step N+1 is planned before step N's
 failures are reported, so the loads of the last ``max_steps_in_flight`` planned
@@ -238,15 +240,18 @@ class TierPlanner:
         own = [key for key in keys if self.host.holds(key)]
         for key in own:  # its own blocks in host are no victims of its prefetch
             self.host.pin(key)
-        queued = 0
+        queued = run = 0  # run: blocks from the first the host holds or will hold
         try:
             for key in keys:
-                if key in self.host:  # held, or arriving with this step's orders
-                    continue
-                if queued == room or not self._on_disk(key) or not self._host_insert(key, True):
-                    break
-                self._prefetches[key] = request_id
-                queued += 1
+                if key not in self.host:  # else held, or arriving with this step's orders
+                    if queued == room or not self._on_disk(key) or not self._host_insert(
+                            key, True):
+                        break
+                    self._prefetches[key] = request_id
+                    queued += 1
+                run += 1
+            if self.state_groups and queued < room:
+                queued += self._prefetch_checkpoint(request_id, keys[:run])
         finally:
             self._unpin(own)
         return queued
@@ -472,7 +477,7 @@ class TierPlanner:
         if st is not None:
             self._end_lookup(st)
             if retain_s > 0:
-                self.host.retain(st.keys[:st.num_checked], now + retain_s)
+                self.host.retain(self._context_keys(st), now + retain_s)
 
     def reset(self) -> None:
         """After a weight update (``reset_prefix_cache(reset_connector=True)``): nothing
@@ -513,6 +518,15 @@ class TierPlanner:
                 parent=st.keys[-1] if st.keys else None))
         return st.keys
 
+    def _context_keys(self, st: _Request) -> list[str]:
+        """The keys of the blocks ``st`` considered for saving, in order; a hybrid's each
+        followed by its checkpoint key (held or not: a block this request loaded may
+        hold a checkpoint another one saved). O(blocks)."""
+        keys = st.keys[:st.num_checked]
+        if not self.state_groups:
+            return keys
+        return [k for key in keys for k in (key, checkpoint_key(key))]
+
     def _on_disk(self, key: str) -> bool:
         """Whether every rank's disk holds ``key``; a miss is a ``TierFact``."""
         if self.disk_contains(key):
@@ -552,6 +566,20 @@ class TierPlanner:
                                        self._host_insert(key), to_disk, to_remote, physical,
                                        checkpoint=True))
         st.num_checked = num_full
+
+    def _prefetch_checkpoint(self, request_id: str, keys: list[str]) -> int:
+        """Queue the checkpoint copy a lookup of the run ``keys`` would end on (the last
+        block's with one in host or on disk), if only the disk has it; returns 0 or 1.
+        O(run) probes at most."""
+        for key in map(checkpoint_key, reversed(keys)):
+            if key in self.host:
+                return 0
+            if self.disk_contains(key):
+                if not self._host_insert(key, True):
+                    return 0
+                self._prefetches[key] = request_id
+                return 1
+        return 0
 
     def _checkpoint_hit(self, keys: list[str], sources: list[Source]
                         ) -> tuple[list[str], list[Source]]:
