@@ -43,8 +43,11 @@ $(SGL_STAMP): $(SGL_ENGINE_STAMP) $(STAMP) pyproject.toml tests/sglang/requireme
 test:
 	$(MAKE) -j2 --output-sync=target test-main test-sglang
 
+# Two test processes: an engine starts in 20-40 s, mostly spawning and importing, which
+# leaves a core idle; one process per test file keeps each file's engines in one process.
+TEST_WORKERS ?= 2
 test-main: $(STAMP)
-	$(PY) -m pytest -q --durations=20 --ignore=tests/sglang
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --ignore=tests/sglang
 
 test-sglang: $(SGL_STAMP)
 	$(SGL_PY) -m pytest -q --durations=10 tests/sglang tests/test_cuda_build.py
