@@ -17,6 +17,7 @@ import os
 import random
 
 import pytest
+from vllm import SamplingParams
 
 from kvbackend.store import checkpoint_key, compute_block_keys
 from kvbackend.store.layout import FORMAT_DIR, block_path
@@ -115,3 +116,27 @@ def test_tier_hits_resume_from_state_checkpoints_only(qwen3_next, ref, tmp_path,
     finally:
         shutdown(llm)
     assert_one_request_failed_a_damaged_load(capfd)
+
+
+def test_a_retained_context_keeps_its_checkpoint_in_the_host_tier(qwen3_next, ref):  # noqa: F811
+    """A host tier of eight blocks, four of them retained at most: a 900-token prompt
+    with ``kv_retain_s`` leaves its three blocks and its checkpoint copy there, three
+    unrelated prompts then fill it, and with the device cache dropped the
+    conversation's next turn still loads 864 tokens from host (the checkpoint copy was
+    an ordinary key, evicted first: no hit at all)."""
+    rng = random.Random(5)
+    first = tokens(rng, 900)
+    keep = SamplingParams(temperature=0, max_tokens=16, extra_args={"kv_retain_s": 600})
+    llm = make_engine(qwen3_next, "kvbackend", **ENGINE, disable_log_stats=False,
+                      **engine_kwargs(host_cache_gb=HOST_GB / 8))
+    try:
+        (answer,) = generate(llm, [first], keep)
+        turn = first + list(answer.outputs[0].token_ids) + tokens(rng, 40)
+        generate(llm, [tokens(rng, 900) for _ in range(3)], GREEDY)
+        assert llm.reset_prefix_cache()
+        before = cached_by_source(llm)
+        got = _one(llm, turn)
+        assert got.outputs[0].token_ids == _one(ref, turn).outputs[0].token_ids
+        assert _gained(llm, before) == {"host": 3 * STATE_BLOCK}
+    finally:
+        shutdown(llm)
