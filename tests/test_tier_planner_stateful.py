@@ -81,16 +81,19 @@ class SimRequest:
 
 
 class Rank:
-    """One tensor-parallel worker: KV tensor, host and disk tiers, its TierWorker."""
+    """One tensor-parallel worker: KV tensor, host and disk tiers, its TierWorker. A tier
+    block holds one ``ROW`` per KV-cache group (``groups``)."""
 
-    def __init__(self, rank: int, root: str) -> None:
+    def __init__(self, rank: int, root: str, groups: int = 1, num_blocks: int = NUM_BLOCKS
+                 ) -> None:
         self.rank = rank
         identity = replace(IDENTITY, tp_rank=rank)
-        self.cache = torch.zeros(NUM_BLOCKS, ROW, dtype=torch.uint8)
-        self.host = HostTier(HOST_BLOCKS * ROW)
-        self.disk = DiskTier(root, DISK_BLOCKS * (128 + ROW), identity, durable=False,
+        self.cache = torch.zeros(num_blocks, ROW, dtype=torch.uint8)
+        self.host = HostTier(HOST_BLOCKS * ROW * groups)
+        self.disk = DiskTier(root, DISK_BLOCKS * (128 + ROW * groups), identity, durable=False,
                              rescan_interval_s=None)
-        self.worker = TierWorker(BlockMover([self.cache], 0, ROW, BS, self.host, self.disk))
+        self.worker = TierWorker(BlockMover([self.cache], 0, ROW * groups, BS, self.host,
+                                            self.disk))
         self.reader = DiskTier(root, 1 << 30, identity, read_only=True, rescan_interval_s=None)
         self.checked: dict[str, tuple[int, int]] = {}  # path -> (mtime_ns, size) found right
 
@@ -109,17 +112,23 @@ class Rank:
 
 
 class TierPlannerMachine(RuleBasedStateMachine):
+    GROUPS = 1  # KV-cache groups: a tier block's physical blocks (hooks below)
+    STATE_GROUPS: tuple[int, ...] = ()
+    NUM_BLOCKS = NUM_BLOCKS
+
     def __init__(self) -> None:
         super().__init__()
         self.root = tempfile.mkdtemp(prefix="kvb-planner-")
-        self.ranks = [Rank(r, self.root) for r in range(IDENTITY.tp_size)]
+        self.ranks = [Rank(r, self.root, self.GROUPS, self.NUM_BLOCKS)
+                      for r in range(IDENTITY.tp_size)]
         probes = [DiskTier(self.root, 1 << 30, replace(IDENTITY, tp_rank=r), read_only=True,
                            rescan_interval_s=None) for r in range(IDENTITY.tp_size)]
         self.now = 0.0  # the retention clock: one second per step
         self.planner = TierPlanner(BS, IDENTITY.digest(), HOST_BLOCKS,
                                    lambda key: all(p.contains(key) for p in probes),
-                                   max_retained=HOST_BLOCKS - 2, clock=lambda: self.now)
-        self.free = list(range(NUM_BLOCKS))
+                                   max_retained=HOST_BLOCKS - 2, clock=lambda: self.now,
+                                   state_groups=self.STATE_GROUPS)
+        self.free = list(range(self.NUM_BLOCKS))
         self.requests: dict[str, SimRequest] = {}
         self.count = 0
         self.tampered: set[tuple[int, str]] = set()  # (rank, key) of files we damaged
@@ -137,6 +146,39 @@ class TierPlannerMachine(RuleBasedStateMachine):
         self.free.extend(request.block_ids)
         request.block_ids, request.running, request.num_computed = [], False, 0
 
+    # Hooks for models with several KV-cache groups (a subclass): one group here.
+    def allocate(self, request: SimRequest, need: int) -> bool:
+        """Give ``request`` blocks for ``need`` blocks of tokens, or return False."""
+        if len(self.free) < need:
+            return False
+        request.block_ids = [self.free.pop() for _ in range(need)]
+        return True
+
+    def physical(self, request: SimRequest) -> list[tuple[int, ...]]:
+        return []
+
+    def adoptions(self, hit_blocks: int):
+        """How many blocks of a hit vLLM may adopt (a strategy)."""
+        return st.integers(0, hit_blocks)
+
+    def loaded_keys(self, hit_keys: list[str]) -> list[str]:
+        """The keys the loads of a hit of ``hit_keys`` read."""
+        return hit_keys
+
+    def device_hit_written(self, request: SimRequest, keys: list[str], device_hit: int) -> None:
+        """The device cache shared ``device_hit`` tokens: the right KV."""
+        for i in range(device_hit // BS):
+            for r in self.ranks:
+                r.write(request.block_ids[i], expected(keys[i], r.rank))
+        request.partial_ok = True  # a partial device block is copied, right too
+
+    def recompute_from(self, failed_blocks: list[int]) -> int:
+        """The tokens vLLM keeps computed when blocks ``failed_blocks`` failed to load."""
+        return failed_blocks[0] * BS
+
+    def payload_is_right(self, key: str, rank: int, payload: np.ndarray) -> bool:
+        return bool(np.array_equal(payload, expected(key, rank)))
+
     def finish(self, request: SimRequest, data) -> None:
         self.release(request)
         del self.requests[request.request_id]
@@ -149,22 +191,19 @@ class TierPlannerMachine(RuleBasedStateMachine):
         hit = self.planner.lookup(request.request_id, request.tokens, b"", device_hit)
         start, keys = device_hit // BS, self.keys(request.tokens, (n - 1) // BS)
         clear, drops = self.planner.pending_host_changes()
+        loaded = self.loaded_keys(keys[start: start + hit // BS])
         in_host = [not clear and key not in drops and all(r.host.contains(key) for r in self.ranks)
-                   for key in keys[start: start + hit // BS]]  # before the loads run
+                   for key in loaded]  # before the loads run
         files = [r.file_keys() for r in self.ranks]
-        for key, held in zip(keys[start:], in_host):  # every advertised hit is loadable
+        for key, held in zip(loaded, in_host):  # every advertised hit is loadable
             on_disk = all(key in keys_of_rank for keys_of_rank in files)
             assert held or on_disk, f"advertised block {key[:12]} is in no tier"
-        adopted = data.draw(st.integers(0, hit // BS), label="blocks adopted") * BS
-        need = -(-request.target // BS)
-        if len(self.free) < need:
+        adopted = data.draw(self.adoptions(hit // BS), label="blocks adopted") * BS
+        if not self.allocate(request, -(-request.target // BS)):
             return False  # cannot allocate: stays waiting, its lookup unused
-        request.block_ids = [self.free.pop() for _ in range(need)]
-        for i in range(device_hit // BS):  # shared from the device cache: the right KV
-            for r in self.ranks:
-                r.write(request.block_ids[i], expected(keys[i], r.rank))
-        request.partial_ok = True  # a partial device block is copied, right too
-        self.planner.allocated(request.request_id, request.block_ids, adopted)
+        self.device_hit_written(request, keys, device_hit)
+        self.planner.allocated(request.request_id, request.block_ids, adopted,
+                               self.physical(request))
         self.planner.check_invariants()  # mid-step too: host hits are held by every worker
         host_hits = self.planner.hit_sources(request.request_id, adopted).get(Source.HOST, 0)
         assert host_hits == BS * sum(in_host[: adopted // BS]), (
@@ -172,11 +211,13 @@ class TierPlannerMachine(RuleBasedStateMachine):
         request.running, request.num_computed = True, device_hit + adopted
         return True
 
-    def compute(self, request: SimRequest, begin: int, end: int) -> None:
-        """The forward pass over tokens [begin, end) of ``request``, on every rank."""
+    def compute(self, request: SimRequest, begin: int, end: int, inputs_ok: bool = True) -> None:
+        """The forward pass over tokens [begin, end) of ``request``, on every rank (with
+        ``inputs_ok`` False, on inputs other than its KV that are wrong)."""
         keys = self.keys(request.tokens, -(-end // BS))
         ids = request.block_ids
-        prefix_ok = all(r.holds(ids[j], keys[j]) for j in range(begin // BS) for r in self.ranks)
+        prefix_ok = inputs_ok and all(r.holds(ids[j], keys[j]) for j in range(begin // BS)
+                                      for r in self.ranks)
         for i in range(begin // BS, -(-end // BS)):
             ok = prefix_ok = prefix_ok and (request.partial_ok if begin > i * BS else True)
             if (i + 1) * BS <= end:
@@ -213,6 +254,8 @@ class TierPlannerMachine(RuleBasedStateMachine):
             request = self.requests[rid]
             device_hit = min(len(request.tokens) - 1, data.draw(
                 st.integers(0, 3).map(lambda b: b * BS) | st.integers(0, 40), label="device hit"))
+            if self.STATE_GROUPS:  # a hybrid's device hit ends on a block boundary
+                device_hit -= device_hit % BS
             if not self.admit(request, device_hit, data):
                 break
         scheduled = []
@@ -221,8 +264,9 @@ class TierPlannerMachine(RuleBasedStateMachine):
             left = len(request.tokens) - request.num_computed
             chunk = data.draw(st.integers(1, left), label=f"{rid} chunk")
             scheduled.append((request, request.num_computed, chunk))
-        orders = self.planner.plan_step([ScheduledRequest(q.request_id, before, chunk, q.block_ids)
-                                         for q, before, chunk in scheduled])
+        orders = self.planner.plan_step([
+            ScheduledRequest(q.request_id, before, chunk, q.block_ids, self.physical(q))
+            for q, before, chunk in scheduled])
         assert not orders.failed
         if self.old_keys:
             assert not any(o.to_disk for o in orders.saves), "disk write after a reset"
@@ -243,7 +287,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
         for request, before, chunk in scheduled:  # vLLM: recompute from the first failure
             bad = [i for i in range(-(-before // BS)) if request.block_ids[i] in failed]
             if bad:
-                request.num_computed = bad[0] * BS
+                request.num_computed = self.recompute_from(bad)
             elif request.num_computed == len(request.tokens):
                 if len(request.tokens) == request.target:
                     self.finish(request, data)
@@ -297,7 +341,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
     def every_stored_block_is_the_right_kv(self) -> None:
         for r in self.ranks:
             for key in r.host.keys_lru():
-                assert np.array_equal(r.host.get(key), expected(key, r.rank)), (
+                assert self.payload_is_right(key, r.rank, r.host.get(key)), (
                     f"rank {r.rank} host tier holds wrong KV for {key[:12]}")
             for path in r.file_paths():
                 stat = os.stat(path)
@@ -308,7 +352,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
                 if payload is None:
                     assert (r.rank, key) in self.tampered, f"unreadable file {path}"
                     continue
-                assert np.array_equal(np.frombuffer(payload, np.uint8), expected(key, r.rank)), (
+                assert self.payload_is_right(key, r.rank, np.frombuffer(payload, np.uint8)), (
                     f"rank {r.rank} disk tier holds wrong KV for {key[:12]}")
                 r.checked[path] = (stat.st_mtime_ns, stat.st_size)
 
