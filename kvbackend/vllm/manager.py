@@ -512,9 +512,10 @@ class KVBackendManager(KVCacheManager):
         Nothing to drop: a request that loads is published to the tree only after
         vLLM has cut its computed tokens back to the first failed block, so no
         tree node lists a failed block. Checked here, O(nodes); a violation is a bug.
+        vLLM calls it with one KV-cache group only (block-level load failures with
+        several raise in its scheduler), where a block id is a logical one.
         """
-        published = self.cache.published_blocks(
-            {b // self.groups.num_groups for b in block_ids})  # physical -> logical ids
+        published = self.cache.published_blocks(set(block_ids))
         if published:
             raise RuntimeError(f"block(s) {sorted(published)} failed to load but are published "
                                "in the prefix tree; this indicates a bug")
