@@ -3,8 +3,9 @@
 The planner (``kvbackend.vllm.tiers.planner``) is driven the way vLLM's
 scheduler drives the connector: admissions (lookup, allocation), chunked
 prefill and decode steps, preemption, aborts, failure reports and
-``reset_prefix_cache(reset_connector=True)``; finished requests now and then
-ask ``kv_retain_s`` (a step is a second of the retention clock). The two ranks
+``reset_prefix_cache(reset_connector=True)``; arriving requests are prefetched
+now and then (``add_request``), and finished ones ask ``kv_retain_s`` (a step is a
+second of the retention clock). The two ranks
 are real: each has a KV tensor, a ``HostTier``, a ``DiskTier`` in a temporary directory and a
 ``TierWorker`` with a ``BlockMover`` that carries out the planner's orders.
 
@@ -17,13 +18,15 @@ one rank only; vLLM reports the union and recomputes from the first failed
 block, as modelled here.
 
 Checked after every step: the planner's invariants; its host mirror equals
-what each worker holds (after the drops it has yet to send); every byte in any
+what each worker holds (after the drops it has yet to send), but for the prefetches
+that failed on that rank (a damaged file, or one its disk tier evicted before the
+read: the planner learns of those only when a load fails); every byte in any
 host or disk tier is the right KV for its key (so nothing computed on top of a
 failed load, nor anything from before a reset, is ever kept); every block vLLM
 counts as computed holds the right KV on every rank; every advertised hit is
 loadable when advertised, and its host hits are exactly the blocks every worker's
 host tier holds then (a block another admission of the step promotes is not one
-yet); only loads of damaged disk files ever fail.
+yet); only loads of damaged disk files, or of keys whose prefetch failed, ever fail.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ BS = 4  # tokens per block
 ROW = 64  # bytes of one block over all layers
 NUM_BLOCKS = 48  # device blocks (the same ids on both ranks, as under TP)
 HOST_BLOCKS = 5
+PREFETCH_BLOCKS = 3  # per step
 DISK_BLOCKS = 12  # per rank; the workers' disk tiers evict beyond it
 MAX_REQUESTS = 5
 _rng = random.Random(3)
@@ -127,6 +131,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
         self.planner = TierPlanner(BS, IDENTITY.digest(), HOST_BLOCKS,
                                    lambda key: all(p.contains(key) for p in probes),
                                    max_retained=HOST_BLOCKS - 2, clock=lambda: self.now,
+                                   prefetch_step_blocks=PREFETCH_BLOCKS,
                                    state_groups=self.STATE_GROUPS)
         self.free = list(range(self.NUM_BLOCKS))
         self.requests: dict[str, SimRequest] = {}
@@ -134,6 +139,8 @@ class TierPlannerMachine(RuleBasedStateMachine):
         self.tampered: set[tuple[int, str]] = set()  # (rank, key) of files we damaged
         self.old_keys: set[str] = set()  # keys of the weights before the last reset
         self.steps_since_reset = 0
+        # Per rank: keys the mirror lists whose prefetch failed there.
+        self.unprefetched: list[set[str]] = [set() for _ in self.ranks]
 
     def teardown(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -192,12 +199,15 @@ class TierPlannerMachine(RuleBasedStateMachine):
         start, keys = device_hit // BS, self.keys(request.tokens, (n - 1) // BS)
         clear, drops = self.planner.pending_host_changes()
         loaded = self.loaded_keys(keys[start: start + hit // BS])
-        in_host = [not clear and key not in drops and all(r.host.contains(key) for r in self.ranks)
-                   for key in loaded]  # before the loads run
-        files = [r.file_keys() for r in self.ranks]
-        for key, held in zip(loaded, in_host):  # every advertised hit is loadable
-            on_disk = all(key in keys_of_rank for keys_of_rank in files)
-            assert held or on_disk, f"advertised block {key[:12]} is in no tier"
+        in_host = [not clear and key not in drops and all(  # before the loads run
+            r.host.contains(key) or key in self.unprefetched[r.rank] for r in self.ranks)
+            for key in loaded]
+        for r in self.ranks:  # every advertised hit is loadable, or known not to be
+            files = r.file_keys()
+            for key, held in zip(loaded, in_host):
+                assert (held and r.host.contains(key) or key in files
+                        or key in self.unprefetched[r.rank]), (
+                    f"advertised block {key[:12]} is in no tier of rank {r.rank}")
         adopted = data.draw(self.adoptions(hit // BS), label="blocks adopted") * BS
         if not self.allocate(request, -(-request.target // BS)):
             return False  # cannot allocate: stays waiting, its lookup unused
@@ -233,12 +243,15 @@ class TierPlannerMachine(RuleBasedStateMachine):
     def step(self, data) -> None:
         """One scheduler step: new requests, maybe a damaged file and a preemption,
         admissions, chunks, the workers' run, the failure report and vLLM's reaction."""
+        arrival_files = [r.file_keys() for r in self.ranks]  # what a prefetch probes
         for _ in range(data.draw(st.integers(0, MAX_REQUESTS - len(self.requests)), label="new")):
             self.count += 1
             length = data.draw(st.integers(1, len(DOCS[0])), label="prompt length")
             tokens = DOCS[data.draw(st.integers(0, len(DOCS) - 1), label="doc")][:length]
             target = length + data.draw(st.integers(1, 6), label="output length")
             self.requests[f"r{self.count}"] = SimRequest(f"r{self.count}", tokens, target)
+            if data.draw(st.booleans(), label="prefetched"):
+                self.planner.prefetch(f"r{self.count}", tokens, b"")
         if data.draw(st.integers(0, 3), label="damage a file") == 0:
             self.damage_disk_file(data.draw(st.integers(0, 1), label="rank"),
                                   data.draw(st.integers(0, 1 << 20), label="file"),
@@ -278,12 +291,19 @@ class TierPlannerMachine(RuleBasedStateMachine):
             request.num_computed = before + chunk
         for r in self.ranks:
             r.worker.finish_step(orders)
+            self.check_prefetches(r, orders.prefetches, arrival_files[r.rank])
         failed = set().union(*(r.worker.take_load_errors() for r in self.ranks))
         loaded = {o.block_id: o.key for o in orders.loads}
-        for block_id in failed:  # only a damaged disk file explains a failed load
-            assert any((r.rank, loaded[block_id]) in self.tampered for r in self.ranks), (
+        for block_id in failed:  # only a damaged disk file or a failed prefetch explains it
+            key = loaded[block_id]
+            assert any((r.rank, key) in self.tampered or key in self.unprefetched[r.rank]
+                       for r in self.ranks), (
                 f"loading block {block_id} failed, and no rank's file of it was damaged")
         self.planner.step_finished(failed)
+        mirror = set(self.planner.host.keys())
+        for r in self.ranks:  # forget the keys the mirror dropped or the rank holds now
+            self.unprefetched[r.rank] = {k for k in self.unprefetched[r.rank]
+                                         if k in mirror and not r.host.contains(k)}
         for request, before, chunk in scheduled:  # vLLM: recompute from the first failure
             bad = [i for i in range(-(-before // BS)) if request.block_ids[i] in failed]
             if bad:
@@ -293,6 +313,17 @@ class TierPlannerMachine(RuleBasedStateMachine):
                     self.finish(request, data)
                 else:
                     request.tokens.append(3 + len(request.tokens) % 50)
+
+    def check_prefetches(self, rank: Rank, keys: tuple[str, ...], probed: set[str]) -> None:
+        """A prefetch fails on ``rank`` only for a damaged file, or one its disk held when
+        the request arrived (``probed``) and evicted since."""
+        files = rank.file_keys()
+        for key in keys:
+            if not rank.host.contains(key):
+                assert (rank.rank, key) in self.tampered or key in probed - files, (
+                    f"prefetching {key[:12]} failed on rank {rank.rank}, and its file was "
+                    "neither damaged nor evicted")
+                self.unprefetched[rank.rank].add(key)
 
     @precondition(lambda self: len(self.requests) >= 3)
     @rule(data=st.data())
@@ -322,6 +353,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
             self.old_keys.update(r.file_keys())
         self.planner.reset()
         self.steps_since_reset = 0
+        self.unprefetched = [set() for _ in self.ranks]
 
     # ------------------------------------------------------------- invariants
     @invariant()
@@ -334,8 +366,10 @@ class TierPlannerMachine(RuleBasedStateMachine):
         clear, drops = self.planner.pending_host_changes()
         for r in self.ranks:
             held = set() if clear else set(r.host.keys_lru()) - set(drops)
-            assert held == mirror, (f"rank {r.rank} holds {sorted(held - mirror)[:2]} beyond "
-                                    f"the mirror, lacks {sorted(mirror - held)[:2]}")
+            lacks = mirror - held - self.unprefetched[r.rank]
+            assert held <= mirror and not lacks, (
+                f"rank {r.rank} holds {sorted(held - mirror)[:2]} beyond the mirror, lacks "
+                f"{sorted(lacks)[:2]}")
 
     @invariant()
     def every_stored_block_is_the_right_kv(self) -> None:
