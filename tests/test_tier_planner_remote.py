@@ -20,9 +20,9 @@ class Remote:
     def __init__(self, held) -> None:
         self.held, self.asked = set(held), []
 
-    def __call__(self, keys: list[str]) -> int:
+    def __call__(self, keys: list[str]) -> list[bool]:
         self.asked.append(list(keys))
-        return next((i for i, k in enumerate(keys) if k not in self.held), len(keys))
+        return [k in self.held for k in keys]
 
 
 def planner(remote: Remote, on_disk=(), step_blocks: int = 100, host: int = 16) -> TierPlanner:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvbackend.store import checkpoint_key, compute_block_keys
 from kvbackend.vllm.tiers.messages import ScheduledRequest, Source
 from kvbackend.vllm.tiers.planner import TierPlanner
+from tests.test_tier_planner_remote import Remote
 
 BS = 4
 DIGEST = "cd" * 32
@@ -166,4 +167,38 @@ def test_a_prefetch_brings_the_checkpoint_copy_its_run_ends_on():
     ids, physical = _table(70, 4)
     planner.allocated("b", ids, 2 * BS, physical)
     assert planner.hit_sources("b", 2 * BS) == {Source.HOST: 2 * BS}
+    planner.check_invariants()
+
+
+def test_checkpoint_copies_in_the_remote_tier_are_probed_in_one_round_trip():
+    """Every block of a ten-block prompt is in the remote tier, only block 2 with a
+    checkpoint copy: the hit is three blocks, ending on that copy, found with one
+    round trip for the blocks and one for the checkpoint copies of blocks 9 to 0 (one
+    per block before: eight, down to block 2)."""
+    tokens = list(range(50, 50 + 10 * BS + 1))
+    keys = compute_block_keys(tokens, BS, DIGEST)
+    remote = Remote([*keys, checkpoint_key(keys[2])])
+    planner = TierPlanner(BS, DIGEST, host_capacity=0, disk_contains=None,
+                          remote_contains=remote, remote_step_blocks=100, state_groups=(0,))
+    assert planner.lookup("a", tokens, b"", 0) == 3 * BS
+    assert remote.asked == [keys, [checkpoint_key(k) for k in reversed(keys)]]
+    ids, physical = _table(1, 11)
+    planner.allocated("a", ids, 3 * BS, physical)
+    assert planner.hit_sources("a", 3 * BS) == {Source.REMOTE: 3 * BS}
+    last = planner.plan_step([]).loads[-1]
+    assert (last.key, last.checkpoint) == (checkpoint_key(keys[2]), True)
+    planner.check_invariants()
+
+
+def test_a_remote_checkpoint_copy_past_the_budget_is_not_probed():
+    """The step's remote budget is spent: a block from disk may still end the hit on a
+    checkpoint copy held locally, and none held only remotely is asked for."""
+    tokens = list(range(50, 50 + 4 * BS + 1))
+    keys = compute_block_keys(tokens, BS, DIGEST)
+    remote = Remote([checkpoint_key(k) for k in keys])
+    on_disk = {*keys, checkpoint_key(keys[0])}
+    planner = TierPlanner(BS, DIGEST, host_capacity=0, disk_contains=on_disk.__contains__,
+                          remote_contains=remote, remote_step_blocks=0, state_groups=(0,))
+    assert planner.lookup("a", tokens, b"", 0) == BS
+    assert remote.asked == []
     planner.check_invariants()

@@ -519,16 +519,19 @@ def _tp_rank() -> int:
         return 0
 
 
-def _held_by_all(remotes: list[RemoteTier], keys: list[str]) -> int:
-    """How many leading ``keys`` every rank's remote tier holds: one round trip per rank,
-    stopping at the first rank that holds none; none for a rank whose server is out (its
-    breaker answers 0 at once while a health-check thread waits for the server)."""
-    found = len(keys)
+def _held_by_all(remotes: list[RemoteTier], keys: list[str]) -> list[bool]:
+    """Whether every rank's remote tier holds each of ``keys``: one round trip per rank
+    for the keys the ranks before it all hold, stopping once none is left; none for a
+    rank whose server is out (its breaker answers all False at once while a
+    health-check thread waits for the server)."""
+    held = [True] * len(keys)
     for remote in remotes:
-        found = remote.contains_many(keys[:found])
-        if not found:
+        asked = [i for i, h in enumerate(held) if h]
+        if not asked:
             break
-    return found
+        for i, present in zip(asked, remote.present_many([keys[i] for i in asked])):
+            held[i] = present
+    return held
 
 
 __all__ = ["HIT_SOURCES", "KVBackendTierConnector", "TierMetadata"]

@@ -83,7 +83,8 @@ it ended there. ``plan_step`` records those step ends; such a block is saved twi
 under its key (every page; its state pages are never read from this copy) and under
 ``checkpoint_key(key)``. A lookup's hit is cut back to its longest prefix whose last
 block has a checkpoint copy in some tier (host, else disk, else remote within the
-step's remote loads), and that block loads from it, state pages included; the hit's
+step's remote loads: one round trip per rank asks for every copy past the longest
+one held locally), and that block loads from it, state pages included; the hit's
 other blocks load their attention pages only (their state pages stay 0 in the load
 order's ``physical``). The workers then resume the request from that state, as from
 a device hit's. A prefetch also queues the checkpoint copy its run would end on, and
@@ -159,8 +160,8 @@ class TierPlanner:
     """Plans each step's loads, saves and drops (see the module docstring).
 
     ``disk_contains(key)``: whether every rank's disk tier holds ``key`` (None: no
-    disk tier). ``remote_contains(keys)``: how many leading ``keys`` the remote tier
-    holds for every rank (None: no remote tier); ``remote_step_blocks``: the most
+    disk tier). ``remote_contains(keys)``: whether the remote tier holds each of ``keys``
+    for every rank, in one round trip per rank (None: no remote tier); ``remote_step_blocks``: the most
     blocks one step loads from it; ``prefetch_step_blocks``: the most blocks one step
     prefetches from disk into host (0: no prefetch). ``host_capacity``: blocks each
     worker's host tier holds, at most ``max_retained`` of them retained; ``clock``
@@ -190,7 +191,7 @@ class TierPlanner:
 
     def __init__(self, block_size: int, key_digest: str, host_capacity: int,
                  disk_contains: Callable[[str], bool] | None,
-                 remote_contains: Callable[[list[str]], int] | None = None,
+                 remote_contains: Callable[[list[str]], list[bool]] | None = None,
                  remote_step_blocks: int = 0, max_retained: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  prefetch_step_blocks: int = 0, max_steps_in_flight: int = 1,
@@ -285,7 +286,8 @@ class TierPlanner:
         room = self.remote_step_blocks - self._step_remote
         if self.remote_contains is not None and end < limit and room > 0:
             probed = st.keys[end:min(limit, end + room)]
-            found = self.remote_contains(probed)
+            held = self.remote_contains(probed)
+            found = held.index(False) if False in held else len(held)
             sources += [Source.REMOTE] * found
             if found < len(probed):
                 self._facts.append(TierFact(Source.REMOTE, probed[found], None))
@@ -585,21 +587,32 @@ class TierPlanner:
                         ) -> tuple[list[str], list[Source]]:
         """The longest prefix of a hit (``keys``, ``sources``) whose last block has a
         checkpoint copy in some tier, its last key that copy's (from the remote tier only
-        within this step's remote loads). O(hit blocks) probes."""
+        within this step's remote loads). O(hit blocks) local probes, down to the longest
+        prefix with a copy in host or on disk, and one remote round trip for the longer
+        ones."""
         room = self.remote_step_blocks - self._step_remote - sources.count(Source.REMOTE)
-        for n in range(len(keys), 0, -1):
+        remote_ok = [] if self.remote_contains is None else [  # within the remote budget
+            room > 0 or s is Source.REMOTE for s in sources]
+        candidates: list[int] = []  # longer prefixes whose copy only the remote tier may hold
+        n, source = len(keys), None
+        while n:
             key = checkpoint_key(keys[n - 1])
             if self.host.holds(key):
                 source = Source.HOST
-            elif self.disk_contains is not None and self.disk_contains(key):
+                break
+            if self.disk_contains is not None and self.disk_contains(key):
                 source = Source.DISK
-            elif (self.remote_contains is not None and (room > 0 or sources[n - 1] is Source.REMOTE)
-                  and self.remote_contains([key])):
-                source = Source.REMOTE
-            else:
-                continue
-            return [*keys[:n - 1], key], [*sources[:n - 1], source]
-        return [], []
+                break
+            if remote_ok and remote_ok[n - 1]:
+                candidates.append(n)
+            n -= 1
+        if candidates:
+            held = self.remote_contains([checkpoint_key(keys[m - 1]) for m in candidates])
+            if True in held:
+                n, source = candidates[held.index(True)], Source.REMOTE
+        if source is None:
+            return [], []
+        return [*keys[:n - 1], checkpoint_key(keys[n - 1])], [*sources[:n - 1], source]
 
     def _end_lookup(self, st: _Request) -> None:
         if st.lookup is not None:
