@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import time
 
 import pytest
 from vllm import SamplingParams
@@ -22,6 +23,7 @@ from vllm import SamplingParams
 from kvbackend.store import checkpoint_key, compute_block_keys
 from kvbackend.store.layout import FORMAT_DIR, block_path
 from kvbackend.vllm import engine_kwargs
+from tests.redis_server import server  # noqa: F401 - the module's server
 from tests.store_helpers import damage_file
 from tests.vllm.conftest import (
     assert_one_request_failed_a_damaged_load, cached_by_source, generate, make_engine, shutdown,
@@ -138,5 +140,32 @@ def test_a_retained_context_keeps_its_checkpoint_in_the_host_tier(qwen3_next, re
         got = _one(llm, turn)
         assert got.outputs[0].token_ids == _one(ref, turn).outputs[0].token_ids
         assert _gained(llm, before) == {"host": 3 * STATE_BLOCK}
+    finally:
+        shutdown(llm)
+
+
+def test_a_checkpoint_in_the_remote_tier_is_found_and_resumed_from(qwen3_next, ref, server):  # noqa: F811
+    """The remote tier alone: the 900-token prompt writes its three blocks and the third
+    one's checkpoint copy through to the server; with the device cache dropped, the
+    next turn loads 864 tokens from it (one round trip for the blocks, one for the
+    checkpoint copies) and resumes from that state."""
+    rng = random.Random(8)
+    first = tokens(rng, 900)
+    llm = make_engine(qwen3_next, "kvbackend", **ENGINE, disable_log_stats=False,
+                      **engine_kwargs(remote_cache_url=server.url))
+    try:
+        answer = _one(llm, first)
+        assert answer.outputs[0].token_ids == _one(ref, first).outputs[0].token_ids
+        deadline = time.monotonic() + 30  # the writes go out from a background thread
+        while server.client().dbsize() < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.client().dbsize() == 4  # three blocks, one checkpoint copy
+        turn = first + list(answer.outputs[0].token_ids) + tokens(rng, 40)
+        assert llm.reset_prefix_cache()
+        before = cached_by_source(llm)
+        got = _one(llm, turn)
+        assert got.outputs[0].token_ids == _one(ref, turn).outputs[0].token_ids
+        assert got.num_cached_tokens == 3 * STATE_BLOCK
+        assert _gained(llm, before) == {"external_unspecified": 3 * STATE_BLOCK}  # remote
     finally:
         shutdown(llm)
