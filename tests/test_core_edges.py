@@ -154,6 +154,23 @@ def test_a_leaf_sharing_a_locked_parents_block_is_evicted_where_a_sibling_holds_
     assert cache.match(branch).num_tokens == 6  # its own tail was evicted
 
 
+def test_evicting_a_branch_never_takes_an_evictable_copy_into_a_locked_path():
+    """A locked path: prefix p ends inside block 1, its continuation x shares that block;
+    branches y and z hold copies of it. Evicting y must not let p take z's copy (p's
+    own stays held through x, so that frees nothing and holds z's block): a request
+    needing every allocatable block then got none, and y was evicted for nothing."""
+    cache = PrefixCache(num_blocks=10, block_size=BS)  # 9 usable blocks
+    prefix = [1, 2, 3, 4, 5]
+    x = cache.open_sequence(cache.match([]), 9)
+    cache.cache(x, prefix + [6, 7, 8, 9])  # p + x: blocks 0-2, x keeps them locked
+    assert run(cache, prefix + [20, 21, 22]) == 5  # y: a copy of block 1
+    assert run(cache, prefix + [30, 31, 32]) == 5  # z: another copy
+    assert cache.num_allocatable_blocks == 6  # 4 free, y's and z's copies
+    other = cache.open_sequence(cache.match(list(range(40, 64))), 24)
+    assert other is not None, "6 blocks were allocatable"
+    cache.check_invariants()
+
+
 def test_a_grandchild_listing_the_block_counts_as_sharing_it(cache):
     """x caches 5 tokens, y continues them with a copy of block 1, then x caches its own
     continuation through y's node: x's leaf lists x's block 1, two levels below the node

@@ -585,7 +585,9 @@ class RadixTree:
         with two sharing it the node keeps its block. (A descendant that starts inside
         the block below a copying child may list it too: it counts as sharing.) Nor does
         it swap where the retained blocks would exceed their bound (a retained sharer
-        keeps the node's block as well as the node taking the copy).
+        keeps the node's block as well as the node taking the copy), nor where a locked
+        node would hold an unlocked donor's copy while a locked sharer still holds its
+        own (that frees nothing and takes an evictable block).
         Returns the blocks freed. O(nodes inside the block).
         """
         if node.is_root or not node.children or node.end % self.block_size == 0:
@@ -596,6 +598,8 @@ class RadixTree:
         if not copying or len(sharing) > 1:
             return 0
         donor = max(copying, key=lambda child: child.lock_ref > 0)  # a held block if any
+        if node.lock_ref and not donor.lock_ref and any(s.lock_ref for s in sharing):
+            return 0
         touched, held = [node, donor, *sharing], node.lock_ref > 0
         retained_before = sum(map(self._retained_share, touched))
         held_before = sum(map(self._held_share, touched))
