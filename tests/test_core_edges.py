@@ -171,6 +171,29 @@ def test_evicting_a_branch_never_takes_an_evictable_copy_into_a_locked_path():
     cache.check_invariants()
 
 
+def test_evicting_a_branch_never_takes_a_copy_into_a_locked_node_whose_own_stays_held(cache):
+    """s's fork f holds the blocks (1, 2) of s's 8 tokens, which s cached and released;
+    r locks their first 3 (splitting the entry inside block 1), and y cached a branch
+    there with its own copy of that block. Evicting s's entry frees nothing (f holds its
+    blocks): r's node must not then take y's copy (its own block stays held by f), or
+    y's copy, the one evictable block, could not be freed."""
+    tokens = list(range(100, 108))
+    s = cache.open_sequence(cache.match([]), len(tokens))
+    f = cache.fork(s)
+    cache.cache(s, tokens)
+    cache.release(s)
+    r = cache.open_sequence(cache.match(tokens[:3]), 3)  # locks [0, 3)
+    cache.take_block_copies()
+    cache.complete_block_copies()
+    assert run(cache, tokens[:3] + [99]) == 3  # y: its own copy of block 1
+    assert cache.pool.num_evictable == 1
+    assert cache.evict(2) == 1
+    cache.check_invariants()
+    for seq in (f, r):
+        cache.release(seq)
+    cache.check_invariants()
+
+
 def test_a_grandchild_listing_the_block_counts_as_sharing_it(cache):
     """x caches 5 tokens, y continues them with a copy of block 1, then x caches its own
     continuation through y's node: x's leaf lists x's block 1, two levels below the node

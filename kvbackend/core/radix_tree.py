@@ -586,8 +586,8 @@ class RadixTree:
         the block below a copying child may list it too: it counts as sharing.) Nor does
         it swap where the retained blocks would exceed their bound (a retained sharer
         keeps the node's block as well as the node taking the copy), nor where a locked
-        node would hold an unlocked donor's copy while a locked sharer still holds its
-        own (that frees nothing and takes an evictable block).
+        node would hold an unlocked donor's copy without freeing its own (a sharer or a
+        sequence still holds it): that frees nothing and takes an evictable block.
         Returns the blocks freed. O(nodes inside the block).
         """
         if node.is_root or not node.children or node.end % self.block_size == 0:
@@ -598,8 +598,6 @@ class RadixTree:
         if not copying or len(sharing) > 1:
             return 0
         donor = max(copying, key=lambda child: child.lock_ref > 0)  # a held block if any
-        if node.lock_ref and not donor.lock_ref and any(s.lock_ref for s in sharing):
-            return 0
         touched, held = [node, donor, *sharing], node.lock_ref > 0
         retained_before = sum(map(self._retained_share, touched))
         held_before = sum(map(self._held_share, touched))
@@ -612,8 +610,16 @@ class RadixTree:
             self._num_retained_blocks -= retained
             self._blocks.unref(donor.block_ids[:1], hold=held)
             return 0
-        self._num_held_blocks += sum(map(self._held_share, touched)) - held_before
-        return self._blocks.unref(own, hold=held)
+        held_change = sum(map(self._held_share, touched)) - held_before
+        freed = self._blocks.unref(own, hold=held)
+        if not freed and held and not donor.lock_ref:  # undo: see the docstring
+            self._blocks.ref(own, hold=held)
+            node.block_ids[-1] = own[0]
+            self._num_retained_blocks -= retained
+            self._blocks.unref(donor.block_ids[:1], hold=held)
+            return 0
+        self._num_held_blocks += held_change
+        return freed
 
     def _descendants_listing(self, node: RadixNode, block: int) -> list[RadixNode]:
         """The nodes below ``node`` that start inside its last block and list ``block``
