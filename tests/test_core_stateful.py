@@ -80,10 +80,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.resident = now
 
     # --------------------------------------------------------------- rules
-    @rule(ns=NAMESPACES, tokens=TOKENS)
-    def open_sequence(self, ns, tokens):
-        match = self.cache.match(tokens, ns)
-        assert match.num_tokens == self.expected_hit(ns, tokens)
+    @rule(data=st.data(), ns=NAMESPACES)
+    def open_sequence(self, data, ns):
+        live = [tokens for seq, tokens in self.live if seq.namespace == ns]
+        tokens = data.draw(TOKENS | st.sampled_from(live) if live else TOKENS,
+                           label="tokens (a live sequence's too)")
+        # A hit cut back (the manager's, to where sliding windows have their pages): the
+        # sequence recomputes tokens the tree lists under other blocks.
+        cap = data.draw(st.none() | st.integers(0, len(tokens)), label="hit cut back to")
+        match = self.cache.match(tokens, ns, max_tokens=cap)
+        assert match.num_tokens == min(self.expected_hit(ns, tokens), len(tokens) if cap is None
+                                       else cap)
         assert len(match.block_ids) == -(-match.num_tokens // BLOCK_SIZE)
         for p in range(match.num_tokens):
             assert self.slot(match.block_ids, p) == tuple(tokens[: p + 1]), "wrong KV for a hit"
@@ -150,6 +157,35 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         freed = self.cache.evict(k)
         assert freed >= min(k, evictable)
         self.reconcile()
+
+    @rule(data=st.data())
+    def recompute_and_replace(self, data):
+        """A sequence recomputes cached tokens (its hit was cut back), then its blocks
+        take the place of those the tree lists for a prefix of them (the manager's
+        ``_adopt_window_pages``): every slot still holds its prefix, no cached token goes."""
+        cached = sorted(((ns, toks) for ns, prefixes_ in self.resident.items()
+                         for toks in prefixes_ if len(toks) >= BLOCK_SIZE), key=repr)
+        if not cached:
+            return
+        ns, tokens = data.draw(st.sampled_from(cached), label="cached prefix")
+        tokens = list(tokens) + data.draw(st.lists(TOKEN, max_size=5), label="more tokens")
+        cap = data.draw(st.integers(0, (len(tokens) - 1) // BLOCK_SIZE).map(
+            lambda b: b * BLOCK_SIZE) | st.integers(0, len(tokens) - 1), label="hit cut back to")
+        match = self.cache.match(tokens, ns, max_tokens=cap)
+        seq = self.cache.open_sequence(match, len(tokens))
+        if seq is None:
+            self.reconcile(may_evict=False)
+            return
+        self.run_copies()
+        self.write(seq, tokens, match.num_tokens)
+        self.live.append([seq, tokens])
+        self.reconcile()
+        cut = data.draw(st.integers(0, len(tokens)), label="prefix")
+        taken = data.draw(st.just(set(range(NUM_BLOCKS))) | st.sets(st.integers(1, NUM_BLOCKS - 1)),
+                          label="blocks replaced")
+        swapped = self.cache.replace_blocks(seq, tokens[:cut], lambda old, new: old in taken)
+        assert all(old in taken and new in seq.block_ids for old, new in swapped)
+        self.reconcile(may_evict=False)
 
     @rule()
     def drop_redundant_copies(self):

@@ -277,12 +277,13 @@ class PrefixCache:
 
     def replace_blocks(self, seq: Sequence, tokens: Seq[int] | np.ndarray,
                        replace: Callable[[int, int], bool]) -> list[tuple[int, int]]:
-        """Where the tree lists, for a whole block of ``seq``'s published ``tokens``,
-        another block than ``seq`` and ``replace(listed, own)`` says so, it lists
-        ``seq``'s instead (``RadixTree.replace_inner_blocks``). O(depth + blocks)."""
+        """Where the tree lists, for a block of ``seq``'s published ``tokens``, another
+        block than ``seq`` and ``replace(listed, own)`` says so, it lists ``seq``'s
+        instead (``RadixTree.replace_blocks``: a block nodes share included, where
+        ``tokens`` cover all of theirs). O(depth + blocks)."""
         self._check_live(seq)
-        return self.tree.replace_inner_blocks(as_token_array(tokens), seq.namespace,
-                                              seq.block_ids, replace)
+        return self.tree.replace_blocks(as_token_array(tokens), seq.namespace, seq.block_ids,
+                                        replace)
 
     def fork(self, seq: Sequence) -> Sequence | None:
         """A second sequence with the same tokens (n > 1 sampling, beam search).

@@ -456,31 +456,77 @@ class RadixTree:
             freed += dropped
         return freed
 
-    def replace_inner_blocks(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
-                             block_ids: Sequence[int],
-                             replace: Callable[[int, int], bool]) -> list[tuple[int, int]]:
-        """Along the cached path of ``tokens``, where a node lists for a whole block inside
-        its own token run (listed by no other node) another block than ``block_ids``
-        does and ``replace(listed, own)`` says so, the node lists ``block_ids``' block
-        instead (which must be referenced, and hold the same tokens' KV). Returns the
-        (old, new) pairs. O(depth + blocks of the path)."""
+    def replace_blocks(self, tokens: Sequence[int] | np.ndarray, namespace: Hashable,
+                       block_ids: Sequence[int],
+                       replace: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+        """Along the cached path of ``tokens``, where a node lists for block ``i`` another
+        block than ``block_ids[i]`` (which must be referenced and hold the same tokens'
+        KV up to the end of ``tokens``) and ``replace(listed, own)`` says so, the node
+        lists ``block_ids[i]`` instead: a block inside one node's token run, or one that
+        several nodes of the path list (one ending inside it and the descendants starting
+        in it), as long as ``tokens`` cover every such node's tokens in it and no node off
+        the path lists it (so it leaves the tree). A block stays where the swap would take
+        the retained blocks over their bound. Returns the (old, new) pairs, one per node
+        changed. O(depth + blocks of the path + nodes starting inside the blocks changed)."""
         num_tokens, node = self.lookup(tokens, namespace, touch=False)
-        bs, swapped = self.block_size, []
+        bs, listings = self.block_size, {}  # block index -> [(node, position in its list)]
         while not node.is_root:
-            first, end = node.start // bs, min(node.end, num_tokens)
-            for k, old in enumerate(node.block_ids.tolist()):
-                i = first + k
-                if i * bs < node.start or (i + 1) * bs > end:
-                    continue
-                new = int(block_ids[i])
-                if old != new and replace(old, new):
-                    held = node.lock_ref > 0
-                    self._blocks.ref([new], hold=held)
-                    node.block_ids[k] = new
-                    self._blocks.unref([old], hold=held)
-                    swapped.append((old, new))
+            for k in range(len(node.block_ids)):
+                listings.setdefault(node.start // bs + k, []).append((node, k))
             node = node.parent
+        swapped = []
+        for i, listed in listings.items():
+            if min(listed[0][0].end, (i + 1) * bs) > num_tokens:  # the deepest one
+                continue  # ``tokens`` end before some listing node's tokens in block i
+            swapped += self._replace_block(listed[::-1], i, int(block_ids[i]), replace)
         return swapped
+
+    def _replace_block(self, listed: list[tuple[RadixNode, int]], index: int, new: int,
+                       replace: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+        """``replace_blocks`` for block ``index``, listed by the path's ``listed`` (node,
+        position) pairs, top node first. Keeps ``num_held_blocks`` and
+        ``num_retained_blocks`` exact: every node whose share of them may change (those
+        listing the block, and those starting inside it below them) is counted before and
+        after. O(nodes starting inside the block)."""
+        top = listed[0][0]
+        touched = [top, *self._starting_inside(top, index)]
+        listings = Counter(int(node.block_ids[index - node.start // self.block_size])
+                           for node in touched)
+        changes = [(node, k, int(node.block_ids[k])) for node, k in listed
+                   if int(node.block_ids[k]) != new and replace(int(node.block_ids[k]), new)]
+        moved = Counter(old for _, _, old in changes)  # only a block no other node lists
+        changes = [change for change in changes if moved[change[2]] == listings[change[2]]]
+        if not changes:
+            return []
+        retained_before = sum(map(self._retained_share, touched))
+        held_before = sum(map(self._held_share, touched))
+        for node, k, old in changes:
+            self._blocks.ref(np.array([new], dtype=np.int64), hold=node.lock_ref > 0)
+            node.block_ids[k] = new
+        retained = sum(map(self._retained_share, touched)) - retained_before
+        self._num_retained_blocks += retained
+        if not self._fits_retained():
+            self._num_retained_blocks -= retained
+            for node, k, old in changes:
+                node.block_ids[k] = old
+                self._blocks.unref(np.array([new], dtype=np.int64), hold=node.lock_ref > 0)
+            return []
+        self._num_held_blocks += sum(map(self._held_share, touched)) - held_before
+        for node, k, old in changes:
+            self._blocks.unref(np.array([old], dtype=np.int64), hold=node.lock_ref > 0)
+        return [(old, new) for _, _, old in changes]
+
+    def _starting_inside(self, top: RadixNode, index: int) -> list[RadixNode]:
+        """The nodes below ``top`` that start inside block ``index`` (after its first
+        token). O(those nodes and their children)."""
+        lo, hi = index * self.block_size, (index + 1) * self.block_size
+        found, stack = [], list(top.children.values())
+        while stack:
+            child = stack.pop()
+            if lo < child.start < hi:
+                found.append(child)
+                stack.extend(child.children.values())
+        return found
 
     def use_stamp(self) -> int:
         """A fresh stamp of the clock that orders the leaves' last uses. O(1)."""

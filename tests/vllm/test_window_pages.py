@@ -114,6 +114,36 @@ def test_a_hit_stops_where_its_last_window_lost_its_pages(config, mode):
     assert manager.hit_tokens - hits >= cut[-1] // BLOCK_SIZE * BLOCK_SIZE > hit
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_recomputed_block_that_nodes_share_is_adopted(config, mode):
+    """Block 2 holds the end of a shared 10-token prefix S and the start of branch X,
+    which wrote it first (a second branch, Y, copied it): the tree's S and X nodes both
+    list it. Later traffic takes the window pages of S + X's blocks, but not the blocks.
+    A request continuing S + X hits none of it (no window page left), recomputes it,
+    and the tree takes its blocks, block 2 included, for both nodes; so the next one
+    continuing S + X hits all 16 tokens, as vLLM's prefix caching would (before, block
+    2 stayed without pages: a hit of 8). Every read is checked."""
+    harness = harness_for(config, mode)
+    manager = harness.scheduler.kv_cache_manager
+    shared, x, y, tail = range(1, 11), range(11, 17), range(21, 27), range(30, 42)
+    path = [*shared, *x]
+
+    def hit(request_id: str, prompt: list[int]) -> int:
+        before = manager.hit_tokens
+        harness.add(request_id, prompt, max_tokens=1)
+        harness.run_to_end()
+        return manager.hit_tokens - before
+
+    assert hit("x", path) == 0 and hit("y", [*shared, *y]) == len(shared)
+    assert hit("x2", [*path, *tail]) == 16 and hit("x3", [*path, *tail, 43, 44]) == 28
+    for k in range(4):  # the pages go first: the blocks' last use is recent
+        hit(f"other{k}", [44 + k, *range(30, 33 + 2 * k)])
+    cached = manager.cache.match(path, touch=False)
+    assert cached.num_tokens == 16 and not manager.windows.has_pages(cached.block_ids[2])
+    assert hit("x4", [*path, 40, 41]) < 16
+    assert hit("x5", [*path, 42, 43]) == 16
+
+
 def test_every_read_and_published_window_page_is_exact_stateful(config):
     """The async scheduling machine on the model with a sliding-window group: arrivals
     sharing prefixes, chunked prefills, preemption, aborts, one or two steps in flight;
