@@ -488,12 +488,14 @@ class RadixTree:
         ``num_retained_blocks`` exact: every node whose share of them may change (those
         listing the block, and those starting inside it below them) is counted before and
         after. O(nodes starting inside the block)."""
+        changes = [(node, k, int(node.block_ids[k])) for node, k in listed
+                   if int(node.block_ids[k]) != new and replace(int(node.block_ids[k]), new)]
+        if not changes:
+            return []
         top = listed[0][0]
         touched = [top, *self._starting_inside(top, index)]
         listings = Counter(int(node.block_ids[index - node.start // self.block_size])
                            for node in touched)
-        changes = [(node, k, int(node.block_ids[k])) for node, k in listed
-                   if int(node.block_ids[k]) != new and replace(int(node.block_ids[k]), new)]
         moved = Counter(old for _, _, old in changes)  # only a block no other node lists
         changes = [change for change in changes if moved[change[2]] == listings[change[2]]]
         if not changes:
@@ -520,7 +522,7 @@ class RadixTree:
         """The nodes below ``top`` that start inside block ``index`` (after its first
         token). O(those nodes and their children)."""
         lo, hi = index * self.block_size, (index + 1) * self.block_size
-        found, stack = [], list(top.children.values())
+        found, stack = [], list(top.children.values()) if top.end < hi else []
         while stack:
             child = stack.pop()
             if lo < child.start < hi:

@@ -144,7 +144,8 @@ def test_a_retained_context_keeps_its_checkpoint_in_the_host_tier(qwen3_next, re
         shutdown(llm)
 
 
-def test_a_checkpoint_in_the_remote_tier_is_found_and_resumed_from(qwen3_next, ref, server):  # noqa: F811
+def test_a_checkpoint_in_the_remote_tier_is_found_and_resumed_from(  # noqa: F811
+        qwen3_next, ref, server):
     """The remote tier alone: the 900-token prompt writes its three blocks and the third
     one's checkpoint copy through to the server; with the device cache dropped, the
     next turn loads 864 tokens from it (one round trip for the blocks, one for the

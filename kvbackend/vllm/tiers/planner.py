@@ -161,12 +161,13 @@ class TierPlanner:
 
     ``disk_contains(key)``: whether every rank's disk tier holds ``key`` (None: no
     disk tier). ``remote_contains(keys)``: whether the remote tier holds each of ``keys``
-    for every rank, in one round trip per rank (None: no remote tier); ``remote_step_blocks``: the most
-    blocks one step loads from it; ``prefetch_step_blocks``: the most blocks one step
-    prefetches from disk into host (0: no prefetch). ``host_capacity``: blocks each
-    worker's host tier holds, at most ``max_retained`` of them retained; ``clock``
-    (seconds) times retentions. ``max_steps_in_flight``: steps planned before the oldest
-    one's output is in (vLLM's ``max_concurrent_batches``: 2 with async scheduling);
+    for every rank, in one round trip per rank (None: no remote tier);
+    ``remote_step_blocks``: the most blocks one step loads from it;
+    ``prefetch_step_blocks``: the most blocks one step prefetches from disk into host
+    (0: no prefetch). ``host_capacity``: blocks each worker's host tier holds, at most
+    ``max_retained`` of them retained; ``clock`` (seconds) times retentions.
+    ``max_steps_in_flight``: steps planned before the oldest one's output is in (vLLM's
+    ``max_concurrent_batches``: 2 with async scheduling);
     ``all_loads_async``: every hit loads asynchronously (async scheduling, several
     KV-cache groups: see ``lookup`` in the module docstring). ``state_groups``: the
     positions, in a block's ``physical`` tuple, of a Mamba / linear-attention hybrid's
