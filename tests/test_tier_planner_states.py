@@ -173,8 +173,8 @@ def test_a_prefetch_brings_the_checkpoint_copy_its_run_ends_on():
 def test_checkpoint_copies_in_the_remote_tier_are_probed_in_one_round_trip():
     """Every block of a ten-block prompt is in the remote tier, only block 2 with a
     checkpoint copy: the hit is three blocks, ending on that copy, found with one
-    round trip for the blocks and one for the checkpoint copies of blocks 9 to 0 (one
-    per block before: eight, down to block 2)."""
+    round trip for the blocks and one for the checkpoint copies of blocks 9 to 0
+    (before: one round trip per copy, from block 9 down to block 2)."""
     tokens = list(range(50, 50 + 10 * BS + 1))
     keys = compute_block_keys(tokens, BS, DIGEST)
     remote = Remote([*keys, checkpoint_key(keys[2])])
