@@ -641,7 +641,8 @@ class RadixTree:
         if node.is_root or not node.children or node.end % self.block_size == 0:
             return 0
         own = node.block_ids[-1:].copy()
-        sharing = self._descendants_listing(node, int(own[0]))
+        sharing = [n for n in self._starting_inside(node, node.end // self.block_size)
+                   if n.block_ids[0] == own[0]]  # nodes below it listing its block
         copying = [child for child in node.children.values() if child.block_ids[0] != own[0]]
         if not copying or len(sharing) > 1:
             return 0
@@ -668,19 +669,6 @@ class RadixTree:
             return 0
         self._num_held_blocks += held_change
         return freed
-
-    def _descendants_listing(self, node: RadixNode, block: int) -> list[RadixNode]:
-        """The nodes below ``node`` that start inside its last block and list ``block``
-        as their first. O(nodes inside that block)."""
-        block_end = (node.end // self.block_size + 1) * self.block_size
-        found, stack = [], list(node.children.values())
-        while stack:
-            child = stack.pop()
-            if child.block_ids[0] == block:
-                found.append(child)
-            if child.end < block_end:
-                stack.extend(child.children.values())
-        return found
 
     def drop_redundant_copies(self) -> int:
         """Every node ending inside a block that a child copied takes the child's copy
