@@ -67,8 +67,8 @@ def main() -> None:
         mover = BlockMover(layers, 1, block_nbytes, args.block_size, host, disk)
         disk_only = BlockMover(layers, 1, block_nbytes, args.block_size, None, disk)
         # blocks 0..n-1 are the sources; loads go to n..2n-1
-        mover.save_many([(i, key, True, True) for i, key in enumerate(keys)])
-        loads = [(args.num_ids + i, key, False) for i, key in enumerate(keys)]
+        mover.save_many([(i, key, True, True, False) for i, key in enumerate(keys)])
+        loads = [(args.num_ids + i, key, False, False) for i, key in enumerate(keys)]
 
         def load_host() -> None:
             assert all(mover.load_many(loads))
@@ -77,7 +77,7 @@ def main() -> None:
             assert all(disk_only.load_many(loads))
 
         def save_host() -> None:
-            mover.save_many([(i, key, True, False) for i, key in enumerate(keys)])
+            mover.save_many([(i, key, True, False, False) for i, key in enumerate(keys)])
 
         rows = [
             ("one copy_, host -> cache device", _median_seconds(

@@ -83,10 +83,10 @@ def bandwidth_rows(server: RedisServer, args, workdir: str) -> list[tuple[str, s
     keys = [key(i) for i in range(args.blocks)]
     blocks = [(k, os.urandom(size), 128) for k in keys]
     nbytes = size * len(keys)
-    tier = RemoteTier(server.url, IDENTITY, block_nbytes=size, timeout_s=30)
+    tier = RemoteTier(server.url, IDENTITY, payload_sizes=(size,), timeout_s=30)
     for i in range(0, len(blocks), args.batch):
         assert tier.put_many(blocks[i:i + args.batch]) == len(blocks[i:i + args.batch])
-    disk = DiskTier(os.path.join(workdir, "disk"), 2 * nbytes, IDENTITY, block_nbytes=size,
+    disk = DiskTier(os.path.join(workdir, "disk"), 2 * nbytes, IDENTITY, payload_sizes=(size,),
                     rescan_interval_s=None, durable=False)
     for k, payload, n in blocks:
         assert disk.put(k, payload, n)

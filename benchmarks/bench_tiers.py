@@ -155,12 +155,12 @@ def bench_bandwidth(root: str, num_blocks: int, rows: list) -> None:
     host = HostTier(2 * nbytes)
     disk = DiskTier(os.path.join(root, "bw"), 4 * nbytes, identity, durable=False)
     saver = BlockMover(layers, 1, block_nbytes, BLOCK, host, disk)
-    saver.save_many([(block_id, key, True, True) for block_id, key in zip(ids, keys)])
+    saver.save_many([(block_id, key, True, True, False) for block_id, key in zip(ids, keys)])
     # What the connector's workers run: host / disk get (+ verify) + scatter, per block.
     movers = {"host": BlockMover(layers, 1, block_nbytes, BLOCK, host, None),
               "disk": BlockMover(layers, 1, block_nbytes, BLOCK, None, disk)}
 
-    loads = [(block_id, key, False) for block_id, key in zip(ids, keys)]
+    loads = [(block_id, key, False, False) for block_id, key in zip(ids, keys)]
 
     def load(mover: BlockMover) -> float:
         t = time.perf_counter()

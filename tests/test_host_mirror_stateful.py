@@ -1,12 +1,14 @@
 """Stateful property test of the host mirror's eviction order with retention and pins.
 
 Checked against a model of which keys are held, pinned and retained until when, after
-every step: the mirror's invariants; it holds exactly the model's keys; an insert never
-evicts a pinned key and evicts a retained key only when every ordinary key is pinned;
-retained keys come after every ordinary key in eviction order; no retention outlives
-its time once ``expire`` ran; at most ``max_retained`` keys are retained, and a
-retention ends over the bound only as far as the bound needs; a prefetch's insert
-(``ordinary_only``) evicts only an ordinary key that is neither pinned nor arriving.
+every step: the mirror's invariants; it holds exactly the model's keys, of their
+weights (a hybrid model's checkpoint copies weigh more than its ordinary ones); an insert
+is refused only when the unpinned keys cannot make room, never evicts a pinned key,
+evicts no more than it needs and a retained key only once every unpinned ordinary key
+went; retained keys come after every ordinary key in eviction order; no retention
+outlives its time once ``expire`` ran; the retained keys weigh at most ``max_retained``,
+and a retention ends over the bound only as far as the bound needs; a prefetch's insert
+(``ordinary_only``) evicts only ordinary keys that are neither pinned nor arriving.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvbackend.vllm.tiers.host_mirror import HostMirror
 
-CAPACITY = 6
-MAX_RETAINED = 3
+CAPACITY = 9
+MAX_RETAINED = 4
 KEYS = st.sampled_from([f"k{i}" for i in range(10)])
+WEIGHT = {f"k{i}": 1 + i % 3 for i in range(10)}  # one key, one payload: one weight
 
 
 class HostMirrorMachine(RuleBasedStateMachine):
@@ -34,29 +37,32 @@ class HostMirrorMachine(RuleBasedStateMachine):
         self.arriving: set[str] = set()  # inserted since the last orders_sent
         self.now = 0.0
 
-    @rule(key=KEYS)
-    def insert(self, key: str) -> None:
+    def weight(self, keys) -> int:
+        return sum(WEIGHT[k] for k in keys)
+
+    def check_insert(self, key: str, movable: set[str], ordinary_only: bool) -> None:
+        """Insert ``key``, where only ``movable`` keys may be evicted, against the model."""
         was_held = set(self.held)
-        added, evicted = self.mirror.insert(key)
-        assert added == (key not in was_held and (len(was_held) < CAPACITY or any(
-            k not in self.pins for k in was_held))), "insert refused or accepted wrongly"
-        for victim in evicted:
-            assert victim not in self.pins, f"evicted pinned {victim}"
-            if victim in self.until:
-                assert all(k in self.pins or k in self.until for k in was_held), (
-                    f"evicted retained {victim} while an unpinned ordinary key was held")
+        added, evicted = self.mirror.insert(key, ordinary_only, WEIGHT[key])
+        room = CAPACITY - self.weight(was_held)
+        assert added == (key not in was_held and WEIGHT[key] <= room + self.weight(movable)), (
+            "insert refused or accepted wrongly")
+        assert set(evicted) <= movable, f"evicted {evicted}, only {movable} may go"
+        if evicted:
+            assert room + self.weight(evicted[:-1]) < WEIGHT[key], "evicted more than needed"
+        if set(evicted) & set(self.until):
+            assert movable - set(self.until) <= set(evicted), (
+                f"evicted retained keys while an unpinned ordinary key was held: {evicted}")
         self.apply(key, added, evicted)
 
     @rule(key=KEYS)
+    def insert(self, key: str) -> None:
+        self.check_insert(key, {k for k in self.held if k not in self.pins}, False)
+
+    @rule(key=KEYS)
     def prefetch(self, key: str) -> None:
-        was_held = set(self.held)
-        movable = {k for k in was_held
-                   if k not in self.pins and k not in self.until and k not in self.arriving}
-        added, evicted = self.mirror.insert(key, ordinary_only=True)
-        assert added == (key not in was_held and (len(was_held) < CAPACITY or bool(movable))), (
-            "prefetch refused or accepted wrongly")
-        assert set(evicted) <= movable, f"a prefetch evicted {evicted}"
-        self.apply(key, added, evicted)
+        self.check_insert(key, {k for k in self.held if k not in self.pins
+                                and k not in self.until and k not in self.arriving}, True)
 
     def apply(self, key: str, added: bool, evicted: tuple[str, ...]) -> None:
         for victim in evicted:
@@ -98,10 +104,13 @@ class HostMirrorMachine(RuleBasedStateMachine):
             if key in self.held:
                 self.until[key] = max(until, self.until.get(key, until))
         retained = set(self.mirror.retained())
-        for key in set(self.until) - retained:  # over the bound: ended, least recent first
+        ended = set(self.until) - retained  # over the bound: ended, least recent first
+        for key in ended:
             del self.until[key]
-        assert len(retained) == min(MAX_RETAINED, len(set(before) | {
-            k for k in keys if k in self.held})), "a retention ended below the bound"
+        assert self.weight(retained) <= MAX_RETAINED, "retained keys weigh over the bound"
+        assert not ended or self.weight(retained) + max(WEIGHT[k] for k in ended) > (
+            MAX_RETAINED), "a retention ended below the bound"
+        assert retained <= set(before) | set(keys), "a key was retained unasked"
         assert retained == set(self.until), "retained keys differ from the model's"
 
     @rule(dt=st.integers(0, 3))
@@ -123,6 +132,7 @@ class HostMirrorMachine(RuleBasedStateMachine):
     def agrees_with_the_model(self) -> None:
         self.mirror.check_invariants()
         assert set(self.mirror.keys()) == self.held
+        assert self.mirror.used == self.weight(self.held) <= CAPACITY
         assert set(self.mirror.retained()) == set(self.until)
         assert all(self.mirror.pin_count(k) == n for k, n in self.pins.items())
         keys = self.mirror.keys()

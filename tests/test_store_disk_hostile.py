@@ -154,7 +154,7 @@ def test_temp_names_are_matched_exactly(tmp_path):
 @pytest.mark.parametrize("read", ["get", "get_into", "get_record"])
 def test_header_claiming_a_huge_payload_is_a_miss_before_any_allocation(tmp_path, read):
     """A sparse 64 GiB file with a sound header: no MemoryError, no 64 GiB read."""
-    tier = DiskTier(tmp_path / "cache", 10**9, ID, block_nbytes=BLOCK)
+    tier = DiskTier(tmp_path / "cache", 10**9, ID, payload_sizes=(BLOCK,))
     path = block_path(tier.base, key_of(0))
     os.makedirs(os.path.dirname(path))
     huge = 64 << 30
@@ -173,11 +173,17 @@ def test_header_claiming_a_huge_payload_is_a_miss_before_any_allocation(tmp_path
 
 
 def test_payload_of_another_size_than_the_identitys_blocks(tmp_path):
-    tier = DiskTier(tmp_path / "cache", 10**9, ID, block_nbytes=BLOCK)
+    """Blocks of two sizes (a hybrid model's ordinary and checkpoint copies): both are
+    stored and read; a third size is refused on put and a miss (deleted) on read."""
+    tier = DiskTier(tmp_path / "cache", 10**9, ID, payload_sizes=(BLOCK, BLOCK // 4))
     with pytest.raises(ValueError, match="4096"):
         tier.put(key_of(0), b"x" * (BLOCK + 1), 16)
+    assert tier.put(key_of(1), b"s" * (BLOCK // 4), 16) and tier.put(key_of(2), b"w" * BLOCK, 16)
+    assert tier.get(key_of(1)) == b"s" * (BLOCK // 4) and tier.get(key_of(2)) == b"w" * BLOCK
     path = block_path(tier.base, key_of(0))
-    os.makedirs(os.path.dirname(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         f.write(block_bytes(key_of(0), b"y" * (BLOCK // 2)))  # valid, but not a block of ours
     assert tier.get(key_of(0)) is None and not os.path.exists(path)
+    with pytest.raises(ValueError, match="payload_sizes"):
+        DiskTier(tmp_path / "cache", 10**9, ID, payload_sizes=(BLOCK, 0))

@@ -27,7 +27,7 @@ def wait_done(reader: RemoteReader, count: int, timeout_s: float = 20) -> list:
 
 
 def test_batches_come_back_once_with_verified_payloads(server):
-    tier = RemoteTier(server.url, ID, block_nbytes=BLOCK, timeout_s=5)
+    tier = RemoteTier(server.url, ID, payload_sizes=(BLOCK,), timeout_s=5)
     keys = [key_of(i, "reader") for i in range(4)]
     assert tier.put_many([(k, payload_for(k, BLOCK), 16) for k in keys[:3]]) == 3
     reader = RemoteReader(tier)
@@ -44,7 +44,7 @@ def test_batches_come_back_once_with_verified_payloads(server):
 
 def test_a_paused_server_never_makes_the_caller_wait(tmp_path):
     with RedisServer(require_binary(), tmp_path) as server:
-        tier = RemoteTier(server.url, ID, block_nbytes=BLOCK, timeout_s=1.0)
+        tier = RemoteTier(server.url, ID, payload_sizes=(BLOCK,), timeout_s=1.0)
         keys = [key_of(i, "paused") for i in range(3)]
         assert tier.put_many([(k, payload_for(k, BLOCK), 16) for k in keys]) == 3
         reader = RemoteReader(tier)
@@ -66,7 +66,7 @@ def test_a_paused_server_never_makes_the_caller_wait(tmp_path):
 
 def test_close_hands_back_the_queued_batches_as_misses(tmp_path):
     with RedisServer(require_binary(), tmp_path) as server:
-        tier = RemoteTier(server.url, ID, block_nbytes=BLOCK, timeout_s=1.0)
+        tier = RemoteTier(server.url, ID, payload_sizes=(BLOCK,), timeout_s=1.0)
         reader = RemoteReader(tier)
         server.pause()
         try:

@@ -36,7 +36,7 @@ def raw(server):
 
 def make_tier(server, identity=ID, **kwargs) -> RemoteTier:
     kwargs.setdefault("timeout_s", TIMEOUT_S)
-    return RemoteTier(server.url, identity, block_nbytes=BLOCK, **kwargs)
+    return RemoteTier(server.url, identity, payload_sizes=(BLOCK,), **kwargs)
 
 
 def blocks(n, salt=""):
@@ -82,7 +82,7 @@ def test_caller_errors_raise_before_anything_is_sent(server, raw):
     tier = make_tier(server)
     with pytest.raises(ValueError, match="64 lowercase hex"):
         tier.get_many(["nope"])
-    with pytest.raises(ValueError, match="blocks of this tier hold 4096"):
+    with pytest.raises(ValueError, match=r"blocks of this tier hold \[4096\]"):
         tier.put_many([(key_of(0), b"x" * 10, 1)] + blocks(1))
     with pytest.raises(ValueError, match="num_tokens"):
         tier.put_many([(key_of(0), payload_for(key_of(0), BLOCK), -1)])
@@ -184,7 +184,7 @@ def test_a_forged_value_does_not_verify_on_a_keyed_tier(server, raw):
     assert unkeyed.get_many([key_of(0)]) == [None]  # another key space
     name = keyed.redis_key(key_of(0))
     # a writer without the key: a well-formed, unkeyed block for the keyed tier's identity
-    forger = RemoteTier(server.url, keyed.identity, block_nbytes=BLOCK)
+    forger = RemoteTier(server.url, keyed.identity, payload_sizes=(BLOCK,))
     assert forger.put_many([(key_of(0), b"\x07" * BLOCK, 16)]) == 1
     assert raw.exists(name) and keyed.get_many([key_of(0)]) == [None]
     assert not raw.exists(name)
@@ -196,10 +196,26 @@ def test_a_forged_value_does_not_verify_on_a_keyed_tier(server, raw):
     assert keyed.get_many([key_of(0)]) == [None] and not raw.exists(name)
 
 
+def test_values_of_a_size_the_identitys_blocks_never_have_are_misses(server, raw):
+    """Blocks of two sizes (a hybrid model's ordinary and checkpoint copies) round-trip;
+    a verified value of a third size (from a writer with other sizes) is a deleted miss."""
+    tier = RemoteTier(server.url, ID, payload_sizes=(BLOCK, BLOCK // 4), timeout_s=TIMEOUT_S)
+    small = (key_of(1), payload_for(key_of(1), BLOCK // 4), 16)
+    assert tier.put_many([small, *blocks(1)]) == 2
+    assert [bytes(p) for p in tier.get_many([key_of(1), key_of(0)])] == [
+        small[1], payload_for(key_of(0), BLOCK)]
+    other = RemoteTier(server.url, ID, payload_sizes=(BLOCK // 2,), timeout_s=TIMEOUT_S)
+    assert other.put_many([(key_of(2), payload_for(key_of(2), BLOCK // 2), 16)]) == 1
+    assert tier.get_many([key_of(2)]) == [None] and not raw.exists(tier.redis_key(key_of(2)))
+    assert tier.stats()["corrupt"] == 1
+    with pytest.raises(ValueError, match="payload_sizes"):
+        RemoteTier(server.url, ID, payload_sizes=4096)
+
+
 # ------------------------------------------------------------------ the server's size bound
 def test_maxmemory_eviction_is_just_a_miss(tmp_path, caplog):
     with RedisServer(require_binary(), tmp_path, maxmemory=4 << 20) as server:
-        tier = RemoteTier(server.url, ID, block_nbytes=256 << 10, timeout_s=5)
+        tier = RemoteTier(server.url, ID, payload_sizes=(256 << 10,), timeout_s=5)
         stored = [(key_of(i), payload_for(key_of(i), 256 << 10), 16) for i in range(64)]
         for i in range(0, 64, 8):  # 16 MiB into 4 MiB
             assert tier.put_many(stored[i:i + 8]) == 8
@@ -215,7 +231,7 @@ def test_maxmemory_eviction_is_just_a_miss(tmp_path, caplog):
 
 def test_a_full_server_refuses_writes_reads_go_on(tmp_path, caplog):
     with RedisServer(require_binary(), tmp_path, maxmemory=2 << 20, policy="noeviction") as srv:
-        tier = RemoteTier(srv.url, ID, block_nbytes=256 << 10, timeout_s=5, backoff_s=60,
+        tier = RemoteTier(srv.url, ID, payload_sizes=(256 << 10,), timeout_s=5, backoff_s=60,
                           max_backoff_s=60)
         stored = [(key_of(i), payload_for(key_of(i), 256 << 10), 16) for i in range(16)]
         taken = tier.put_many(stored)

@@ -28,7 +28,7 @@ def batch(first: int, n: int, salt: str = ""):
 
 def test_blocks_arrive_and_present_ones_are_not_sent_again(server):
     server.client().flushall()
-    tier = RemoteTier(server.url, ID, block_nbytes=BLOCK, timeout_s=5)
+    tier = RemoteTier(server.url, ID, payload_sizes=(BLOCK,), timeout_s=5)
     writer = RemoteWriter(tier, 1 << 20)
     assert writer.submit(batch(0, 4)) and writer.flush(10)
     assert tier.contains_many([k for k, _, _ in batch(0, 4)]) == 4
@@ -42,7 +42,7 @@ def test_blocks_arrive_and_present_ones_are_not_sent_again(server):
 
 def test_a_paused_server_never_makes_submit_wait_and_a_full_queue_drops(tmp_path):
     with RedisServer(require_binary(), tmp_path) as server:
-        tier = RemoteTier(server.url, ID, block_nbytes=BLOCK, timeout_s=1.0)
+        tier = RemoteTier(server.url, ID, payload_sizes=(BLOCK,), timeout_s=1.0)
         writer = RemoteWriter(tier, 4 * BLOCK)
         server.pause()
         start = time.monotonic()
@@ -66,7 +66,7 @@ class WriterMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.server.client().flushall()
-        self.tier = RemoteTier(self.server.url, ID, block_nbytes=BLOCK, timeout_s=5)
+        self.tier = RemoteTier(self.server.url, ID, payload_sizes=(BLOCK,), timeout_s=5)
         self.writer = RemoteWriter(self.tier, 6 * BLOCK)
         self.accepted: set[str] = set()
         self.next = 0

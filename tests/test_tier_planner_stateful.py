@@ -86,10 +86,11 @@ class SimRequest:
 
 class Rank:
     """One tensor-parallel worker: KV tensor, host and disk tiers, its TierWorker. A tier
-    block holds one ``ROW`` per KV-cache group (``groups``)."""
+    block holds one ``ROW`` per KV-cache group (``groups``), but for ``state_groups``
+    in an ordinary copy."""
 
-    def __init__(self, rank: int, root: str, groups: int = 1, num_blocks: int = NUM_BLOCKS
-                 ) -> None:
+    def __init__(self, rank: int, root: str, groups: int = 1, num_blocks: int = NUM_BLOCKS,
+                 state_groups: tuple[int, ...] = ()) -> None:
         self.rank = rank
         identity = replace(IDENTITY, tp_rank=rank)
         self.cache = torch.zeros(num_blocks, ROW, dtype=torch.uint8)
@@ -97,7 +98,7 @@ class Rank:
         self.disk = DiskTier(root, DISK_BLOCKS * (128 + ROW * groups), identity, durable=False,
                              rescan_interval_s=None)
         self.worker = TierWorker(BlockMover([self.cache], 0, ROW * groups, BS, self.host,
-                                            self.disk))
+                                            self.disk, state_groups))
         self.reader = DiskTier(root, 1 << 30, identity, read_only=True, rescan_interval_s=None)
         self.checked: dict[str, tuple[int, int]] = {}  # path -> (mtime_ns, size) found right
 
@@ -123,16 +124,20 @@ class TierPlannerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.root = tempfile.mkdtemp(prefix="kvb-planner-")
-        self.ranks = [Rank(r, self.root, self.GROUPS, self.NUM_BLOCKS)
+        self.ranks = [Rank(r, self.root, self.GROUPS, self.NUM_BLOCKS, self.STATE_GROUPS)
                       for r in range(IDENTITY.tp_size)]
         probes = [DiskTier(self.root, 1 << 30, replace(IDENTITY, tp_rank=r), read_only=True,
                            rescan_interval_s=None) for r in range(IDENTITY.tp_size)]
         self.now = 0.0  # the retention clock: one second per step
-        self.planner = TierPlanner(BS, IDENTITY.digest(), HOST_BLOCKS,
+        pages = HOST_BLOCKS * self.GROUPS  # the host tier's ROWs: a payload takes 1 per group
+        self.planner = TierPlanner(BS, IDENTITY.digest(), pages,
                                    lambda key: all(p.contains(key) for p in probes),
-                                   max_retained=HOST_BLOCKS - 2, clock=lambda: self.now,
+                                   max_retained=pages - 2 * self.GROUPS,
+                                   clock=lambda: self.now,
                                    prefetch_step_blocks=PREFETCH_BLOCKS,
-                                   state_groups=self.STATE_GROUPS)
+                                   state_groups=self.STATE_GROUPS,
+                                   payload_weights=(self.GROUPS - len(self.STATE_GROUPS),
+                                                    self.GROUPS))
         self.free = list(range(self.NUM_BLOCKS))
         self.requests: dict[str, SimRequest] = {}
         self.count = 0
@@ -291,7 +296,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
             request.num_computed = before + chunk
         for r in self.ranks:
             r.worker.finish_step(orders)
-            self.check_prefetches(r, orders.prefetches, arrival_files[r.rank])
+            self.check_prefetches(r, [k for k, _ in orders.prefetches], arrival_files[r.rank])
         failed = set().union(*(r.worker.take_load_errors() for r in self.ranks))
         loaded = {o.block_id: o.key for o in orders.loads}
         for block_id in failed:  # only a damaged disk file or a failed prefetch explains it
@@ -314,7 +319,7 @@ class TierPlannerMachine(RuleBasedStateMachine):
                 else:
                     request.tokens.append(3 + len(request.tokens) % 50)
 
-    def check_prefetches(self, rank: Rank, keys: tuple[str, ...], probed: set[str]) -> None:
+    def check_prefetches(self, rank: Rank, keys: list[str], probed: set[str]) -> None:
         """A prefetch fails on ``rank`` only for a damaged file, or one its disk held when
         the request arrived (``probed``) and evicted since."""
         files = rank.file_keys()

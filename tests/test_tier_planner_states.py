@@ -161,7 +161,8 @@ def test_a_prefetch_brings_the_checkpoint_copy_its_run_ends_on():
     planner = TierPlanner(BS, DIGEST, host_capacity=8, disk_contains=on_disk.__contains__,
                           prefetch_step_blocks=8, state_groups=(0,))
     assert planner.prefetch("b", PROMPT + [9], b"") == 4
-    assert planner.plan_step([]).prefetches == (*keys, checkpoint_key(keys[1]))
+    assert planner.plan_step([]).prefetches == (*((key, False) for key in keys),
+                                                (checkpoint_key(keys[1]), True))
     planner.step_finished(())
     assert planner.lookup("b", PROMPT + [9], b"", 0) == 2 * BS
     ids, physical = _table(70, 4)

@@ -13,10 +13,10 @@ garbage in every layer. vLLM takes a failed load of such a model as a failed req
 (recomputed from its first token).
 
 Checked besides the base machine's invariants: every checkpoint copy in a host or disk
-tier holds both the state after its block's last token and the block's attention KV
-(an ordinary copy's state page is never read: only its attention page is checked); a
-hit's last block loads a checkpoint copy; every running request resumes from the right
-state.
+tier holds both the state after its block's last token and the block's attention KV,
+and every ordinary copy the attention KV alone (half the bytes: the host mirror weighs
+copies by size); a hit's last block loads a checkpoint copy; every running request
+resumes from the right state.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class HybridTierPlannerMachine(TierPlannerMachine):
 
     def payload_is_right(self, key: str, rank: int, payload: np.ndarray) -> bool:
         block = self.checkpoint_of.get(key)
-        if block is None:  # an ordinary copy: its state page is never read
-            return bool(np.array_equal(payload[ROW:], expected(key, rank)))
+        if block is None:  # an ordinary copy: the attention page alone
+            return bool(np.array_equal(payload, expected(key, rank)))
         return bool(np.array_equal(payload[:ROW], expected_state(block, rank))
                     and np.array_equal(payload[ROW:], expected(block, rank)))
 

@@ -92,7 +92,7 @@ def test_an_arriving_request_is_a_host_hit_the_next_step_within_the_cap(tiers):
     orders = t.planner.plan_step([])
     assert len(orders.prefetches) == 2 and set(orders.drops) == set(evicted)
     t.run(orders)
-    assert all(t.host.contains(k) for k in orders.prefetches)
+    assert all(t.host.contains(k) for k, _ in orders.prefetches)
 
     t.cache.zero_()
     hit, orders = t.admit("a", DOC, [0, 1, 2, 3])
@@ -136,7 +136,7 @@ def test_a_damaged_disk_file_is_never_a_wrong_hit(tiers):
     t = tiers
     assert t.planner.prefetch("a", DOC, b"") == 2
     orders = t.planner.plan_step([])
-    rotten = orders.prefetches[1]
+    rotten, _ = orders.prefetches[1]
     path = next(os.path.join(d, f) for d, _, files in os.walk(t.disk.base) for f in files
                 if f == rotten + ".kvb")
     damage_file(path, rot=True)

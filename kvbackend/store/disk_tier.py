@@ -26,7 +26,7 @@ Guarantees
   than ``stale_tmp_age_s``, are removed by rescans, in the identity directory
   itself too; only names of the exact temp pattern are).
 * Verified reads: magic, version, header length, flags, identity, key, payload
-  length (at most ``block_nbytes``, checked before anything is allocated) and
+  length (one of ``payload_sizes``, checked before anything is allocated) and
   checksum; any mismatch is a miss, and the file is deleted (only if the name
   still holds the inode that was read, so a fresh rewrite by another process
   survives). One warning per kind of problem; never raises.
@@ -71,7 +71,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -93,7 +93,7 @@ from kvbackend.store.safe_fs import (
     DirPolicy, is_junk_error, make_dirs, open_dir, open_regular, opened_dir, write_atomic,
 )
 from kvbackend.store.scan import block_files
-from kvbackend.store.tier import Payload, check_key
+from kvbackend.store.tier import Payload, check_key, check_payload_sizes
 
 logger = logging.getLogger("kvbackend.store")
 
@@ -118,9 +118,10 @@ class DiskTier:
     """LRU-bounded, checksummed block files under ``<directory>/v2/<identity digest>``.
 
     ``mode`` (a ``DiskMode``) is RW, RO (serves reads, refuses puts) or DISABLED
-    (misses everything). ``block_nbytes``: the payload size of every block of this
-    identity (puts of another size raise; files announcing another are misses
-    before any allocation); without it a payload may be as large as the bound.
+    (misses everything). ``payload_sizes``: the sizes a block's payload of this
+    identity may have (puts of another size raise; files announcing another are
+    misses, before any allocation when larger than all); without them a payload
+    may be as large as the bound.
     Complexity: ``put``/``get``/``get_into`` O(payload) I/O plus O(1) index work;
     ``contains`` one ``lstat``; eviction O(#evicted) unlinks; a rescan
     O(#files of this identity), never on the caller's thread unless called.
@@ -137,7 +138,7 @@ class DiskTier:
         stale_tmp_age_s: float = 3600.0,
         rescan_interval_s: float | None = 60.0,
         probe_only: bool = False,
-        block_nbytes: int | None = None,
+        payload_sizes: Collection[int] | None = None,
         checksum_key: bytes | None = None,
         shared_group: bool = False,
         backoff_s: float = 1.0,
@@ -146,8 +147,7 @@ class DiskTier:
     ) -> None:
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        if block_nbytes is not None and (not isinstance(block_nbytes, int) or block_nbytes < 1):
-            raise ValueError(f"block_nbytes must be a positive int or None, got {block_nbytes!r}")
+        payload_sizes = check_payload_sizes(payload_sizes)
         identity = keyed_identity(identity, checksum_key)
         self.directory = Path(directory)
         self.max_bytes = max_bytes
@@ -158,10 +158,10 @@ class DiskTier:
         self.stale_tmp_age_s = stale_tmp_age_s
         self.rescan_interval_s = rescan_interval_s
         self.probe_only = probe_only
-        self.block_nbytes = block_nbytes
+        self.payload_sizes = payload_sizes
         self.checksum_key = checksum_key
         self.policy = DirPolicy(shared_group)
-        self.max_payload = block_nbytes if block_nbytes is not None else max_bytes - HEADER_LEN
+        self.max_payload = max(payload_sizes) if payload_sizes else max_bytes - HEADER_LEN
         self._index = None if probe_only else DiskIndex()
         self._backoff = Backoff(backoff_s, max_backoff_s)
         self._lock = threading.Lock()  # counters and warnings
@@ -322,9 +322,9 @@ class DiskTier:
         if not 0 <= num_tokens <= MAX_NUM_TOKENS:
             raise ValueError(f"num_tokens must lie in [0, {MAX_NUM_TOKENS}], got {num_tokens}")
         view = as_byte_view(payload)
-        if self.block_nbytes is not None and view.nbytes != self.block_nbytes:
-            raise ValueError(f"a block of this tier holds {self.block_nbytes} bytes, "
-                             f"got {view.nbytes}")
+        if self.payload_sizes and view.nbytes not in self.payload_sizes:
+            raise ValueError(f"a block of this tier holds {sorted(self.payload_sizes)} "
+                             f"bytes, got {view.nbytes}")
         size = HEADER_LEN + view.nbytes
         subdir = key[:2]
         if (self.mode is not DiskMode.RW or size > self.max_bytes
@@ -378,9 +378,9 @@ class DiskTier:
     def _read_record(self, f: BinaryIO, size: int, key: str) -> BlockRecord:
         record = read_block(f, size, self.identity_digest, key, checksum_key=self.checksum_key,
                             max_payload=self.max_payload)
-        if self.block_nbytes is not None and len(record.payload) != self.block_nbytes:
+        if self.payload_sizes and len(record.payload) not in self.payload_sizes:
             raise CorruptBlock(f"payload of {len(record.payload)} bytes, "
-                               f"a block holds {self.block_nbytes}")
+                               f"a block holds {sorted(self.payload_sizes)}")
         return record
 
     def get_into(self, key: str, out: Payload) -> int | None:

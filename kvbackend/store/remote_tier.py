@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -76,7 +76,7 @@ from kvbackend.store.checksum_key import keyed_identity, read_private_file
 from kvbackend.store.circuit_breaker import CircuitBreaker
 from kvbackend.store.health_probe import HealthProbe
 from kvbackend.store.identity import CacheIdentity
-from kvbackend.store.tier import Payload, check_key
+from kvbackend.store.tier import Payload, check_key, check_payload_sizes
 
 logger = logging.getLogger("kvbackend.store")
 
@@ -117,8 +117,8 @@ class RemoteTier:
 
     ``url``: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` for
     TLS, or ``unix:///path/to/socket``; nothing connects until the first call.
-    ``block_nbytes``: the payload size of every block of this identity (puts of
-    another size raise; values announcing another are misses); without it a
+    ``payload_sizes``: the sizes a block's payload of this identity may have (puts
+    of another size raise; values holding another are misses); without them a
     value may be as large as the server takes (``MAX_VALUE_BYTES``). ``password``:
     the server's, when the URL holds none. ``close()`` when done: it also ends the
     health checks of an outage.
@@ -130,7 +130,7 @@ class RemoteTier:
         identity: CacheIdentity,
         *,
         checksum_key: bytes | None = None,
-        block_nbytes: int | None = None,
+        payload_sizes: Collection[int] | None = None,
         password: str | None = None,
         timeout_s: float = 0.5,
         backoff_s: float = 1.0,
@@ -138,8 +138,7 @@ class RemoteTier:
     ) -> None:
         if not isinstance(url, str):
             raise ValueError(f"remote cache url must be a string, got {type(url).__name__}")
-        if block_nbytes is not None and (not isinstance(block_nbytes, int) or block_nbytes < 1):
-            raise ValueError(f"block_nbytes must be a positive int or None, got {block_nbytes!r}")
+        payload_sizes = check_payload_sizes(payload_sizes)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         identity = keyed_identity(identity, checksum_key)
@@ -148,8 +147,8 @@ class RemoteTier:
         self.identity_digest = identity.digest()
         self.prefix = f"kvb:v{FORMAT_VERSION}:{self.identity_digest}:"
         self.checksum_key = checksum_key
-        self.block_nbytes = block_nbytes
-        self.max_payload = block_nbytes if block_nbytes is not None else _MAX_PAYLOAD
+        self.payload_sizes = payload_sizes
+        self.max_payload = max(payload_sizes) if payload_sizes else _MAX_PAYLOAD
         self._server = CircuitBreaker(backoff_s, max_backoff_s)
         self._health = HealthProbe(self._server, self._ping, self._back,
                                    "kvbackend-remote-health")
@@ -249,9 +248,9 @@ class RemoteTier:
 
     def _encode(self, key: str, payload: Payload, num_tokens: int) -> bytes:
         view = as_byte_view(payload)
-        if self.block_nbytes is not None and view.nbytes != self.block_nbytes:
+        if self.payload_sizes and view.nbytes not in self.payload_sizes:
             raise ValueError(f"payload of {view.nbytes} bytes, but blocks of this tier "
-                             f"hold {self.block_nbytes}")
+                             f"hold {sorted(self.payload_sizes)}")
         if view.nbytes > _MAX_PAYLOAD:
             raise ValueError(f"payload of {view.nbytes} bytes, over {_MAX_PAYLOAD}")
         header = encode_header(self.identity_digest, key, num_tokens, view,
@@ -265,9 +264,13 @@ class RemoteTier:
         try:
             if isinstance(reply, Exception):  # WRONGTYPE: not a string
                 raise CorruptBlock(str(reply))
-            return verify_buffer(reply, self.identity_digest, key,
-                                 checksum_key=self.checksum_key,
-                                 max_payload=self.max_payload)[1]
+            payload = verify_buffer(reply, self.identity_digest, key,
+                                    checksum_key=self.checksum_key,
+                                    max_payload=self.max_payload)[1]
+            if self.payload_sizes and payload.nbytes not in self.payload_sizes:
+                raise CorruptBlock(f"payload of {payload.nbytes} bytes, a block holds "
+                                   f"{sorted(self.payload_sizes)}")
+            return payload
         except CorruptBlock as e:
             self._warn_once("corrupt", "kvbackend: remote tier %s: dropping bad value %s%s: %s",
                             self.url, self.prefix, key, e)

@@ -10,6 +10,7 @@ corrupted file, another process evicting). They raise only for caller errors
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -26,6 +27,19 @@ def payload_nbytes(payload: Payload) -> int:
     if isinstance(payload, (bytes, bytearray)):
         return len(payload)
     raise TypeError(f"payload must be bytes, bytearray, memoryview or ndarray, got {type(payload)}")
+
+
+def check_payload_sizes(sizes: Collection[int] | None) -> frozenset[int]:
+    """``sizes`` (the payload sizes a tier's blocks may have; None: any) as a set
+    (empty: any). Raises ``ValueError`` unless each is a positive int."""
+    if sizes is None:
+        return frozenset()
+    if isinstance(sizes, (int, str, bytes)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"payload_sizes must be positive ints, got {sizes!r}")
+    if not sizes:
+        raise ValueError("payload_sizes must name at least one size (None: any size)")
+    return frozenset(sizes)
 
 
 def check_key(key: str) -> str:

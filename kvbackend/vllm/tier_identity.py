@@ -1,7 +1,7 @@
 """What a vLLM engine's KV blocks depend on besides their tokens: the tiers' identity.
 
 ``tier_identity`` builds the :class:`CacheIdentity` that names a rank's blocks in
-the host and disk tiers; ``block_nbytes`` is the size of one tier payload.
+the host and disk tiers; ``block_nbytes`` is the size of one whole tier payload.
 
 Two engines share tier entries only when every input below is equal, so each one
 that changes the KV bytes of the same tokens must be in it (the request's LoRA
@@ -15,10 +15,12 @@ adapter and cache salt are in the block keys, ``kvbackend.vllm.namespace``):
   * the KV cache: every field of vLLM's KV cache spec (dtype, quantization mode,
     heads, head sizes, block size, padding, sliding window), the KV-cache groups (with
     several, vLLM's hybrid manager: their number, order and layers, since one payload
-    holds every group's block in that order), ``--kv-cache-dtype`` and its skipped
-    layers, the resolved physical KV layout (vLLM's ``KVCacheLayout``, which replaced
-    the backends' stride orders) and the attention backend that writes it (a state
-    layer's state shapes, dtypes and kind are its spec's fields);
+    holds every group's block in that order, and which groups an ordinary copy of a
+    Mamba / linear-attention hybrid's block leaves out: its state groups),
+    ``--kv-cache-dtype`` and its skipped layers, the resolved physical KV layout
+    (vLLM's ``KVCacheLayout``, which replaced the backends' stride orders) and the
+    attention backend that writes it (a state layer's state shapes, dtypes and kind
+    are its spec's fields);
   * vLLM's version, the device type, the tensor-parallel rank and size.
 
 Left out on purpose, since they do not change the bytes: ``max_model_len``, seeds,
@@ -114,14 +116,19 @@ def block_nbytes(kv_cache_config: KVCacheConfig) -> int:
 
 def _group_layout(groups: Sequence[KVCacheGroupSpec]) -> list[str]:
     """Each group's spec and layers, in vLLM's group order (a tier payload holds the
-    groups in that order), with the number of groups when there are several: a payload
-    written with one group layout never matches another."""
+    groups in that order), with the number of groups when there are several and the
+    state groups an ordinary payload leaves out: a payload written with one group
+    layout never matches another."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     parts = [f"{type(g.kv_cache_spec).__name__}{_canonical(_fields(g.kv_cache_spec))}"
              f"|layers={len(g.layer_names)}" for g in groups]
     if len(groups) == 1:
         return parts
+    state = [n for n, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
     return [f"groups={len(groups)}",
-            *(f"{part}:{_canonical(g.layer_names)}" for part, g in zip(parts, groups))]
+            *(f"{part}:{_canonical(g.layer_names)}" for part, g in zip(parts, groups)),
+            *([f"ordinary_payload_leaves_out={state}"] if state else [])]
 
 
 def _attention_backends(vllm_config: VllmConfig, layer_names: list[str]) -> str:

@@ -4,10 +4,11 @@ bfloat16; 288-token blocks), with a 2048-token prefill budget, so a 900-token pr
 prefilled in two chunks, ending on 864 and 900: only the block ending on 864 holds the
 state after its last token.
 
-A tier block holds both groups' pages; a hit must end on a block saved as a state
-checkpoint (``checkpoint_key``) and resumes from the state that copy holds. A hit that
-resumed from any other block's state page would change the greedy outputs, which
-match vLLM without caching, run with the same chunks (one prompt at a time).
+A block's ordinary tier copy holds its attention page only, its checkpoint copy
+(``checkpoint_key``) both groups' pages; a hit must end on a block saved as a state
+checkpoint and resumes from the state that copy holds. A hit that resumed from any
+other state would change the greedy outputs, which match vLLM without caching, run
+with the same chunks (one prompt at a time).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from vllm import SamplingParams
 
 from kvbackend.store import checkpoint_key, compute_block_keys
+from kvbackend.store.block_file import HEADER_LEN
 from kvbackend.store.layout import FORMAT_DIR, block_path
 from kvbackend.vllm import engine_kwargs
 from tests.redis_server import server  # noqa: F401 - the module's server
@@ -33,7 +35,8 @@ from tests.vllm.test_state_hybrid import GREEDY, KV_BYTES, STATE_BLOCK, qwen3_ne
 
 ENGINE = dict(dtype="bfloat16", kv_cache_memory_bytes=KV_BYTES, mamba_ssm_cache_dtype="bfloat16",
               max_num_batched_tokens=2048)
-HOST_GB = 64 * 2 * 73728 / (1 << 30)  # 64 tier blocks: a 73,728-byte page per group
+PAGE = 73728  # bytes of a block of one group (its one layer)
+HOST_GB = 64 * 2 * PAGE / (1 << 30)  # 64 whole tier blocks (one page per group)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,8 @@ def _files(directory, first: list[int]) -> tuple[list[str], list[str]]:
 
 def test_tier_hits_resume_from_state_checkpoints_only(qwen3_next, ref, tmp_path, capfd):  # noqa: F811
     """Engine A (host + disk tiers) prefills a 900-token prompt: all three whole blocks
-    are saved, and only the third also as a checkpoint. With the device cache dropped:
+    are saved (their attention pages), and only the third also as a checkpoint (both
+    pages). With the device cache dropped:
     a prompt sharing two whole blocks gets no tier hit (neither holds a state; its own
     prefill leaves one on the second), the conversation's next turn loads 864 tokens
     from host and resumes from the saved state. Engine B, a new process on the same
@@ -84,6 +88,8 @@ def test_tier_hits_resume_from_state_checkpoints_only(qwen3_next, ref, tmp_path,
         blocks, checkpoints = _files(tmp_path, first)
         assert all(map(os.path.exists, blocks))
         assert [os.path.exists(c) for c in checkpoints] == [False, False, True]
+        assert [os.path.getsize(f) - HEADER_LEN for f in [*blocks, checkpoints[2]]] == [
+            PAGE, PAGE, PAGE, 2 * PAGE]
 
         assert llm.reset_prefix_cache()
         got = _one(llm, branch)
@@ -121,11 +127,12 @@ def test_tier_hits_resume_from_state_checkpoints_only(qwen3_next, ref, tmp_path,
 
 
 def test_a_retained_context_keeps_its_checkpoint_in_the_host_tier(qwen3_next, ref):  # noqa: F811
-    """A host tier of eight blocks, four of them retained at most: a 900-token prompt
-    with ``kv_retain_s`` leaves its three blocks and its checkpoint copy there, three
-    unrelated prompts then fill it, and with the device cache dropped the
-    conversation's next turn still loads 864 tokens from host (the checkpoint copy was
-    an ordinary key, evicted first: no hit at all)."""
+    """A host tier of 16 pages, 8 of them retained at most (a block's ordinary copy takes
+    one, its checkpoint copy two): a 900-token prompt with ``kv_retain_s`` leaves its
+    three blocks and its checkpoint copy there (5 pages), three unrelated prompts then
+    fill it (15 more), and with the device cache dropped the conversation's next turn
+    still loads 864 tokens from host (as ordinary keys its copies went first: no hit
+    at all)."""
     rng = random.Random(5)
     first = tokens(rng, 900)
     keep = SamplingParams(temperature=0, max_tokens=16, extra_args={"kv_retain_s": 600})
@@ -160,7 +167,10 @@ def test_a_checkpoint_in_the_remote_tier_is_found_and_resumed_from(  # noqa: F81
         deadline = time.monotonic() + 30  # the writes go out from a background thread
         while server.client().dbsize() < 4 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert server.client().dbsize() == 4  # three blocks, one checkpoint copy
+        client = server.client()
+        assert client.dbsize() == 4  # three blocks, one checkpoint copy
+        assert sorted(client.strlen(k) - HEADER_LEN for k in client.keys()) == [
+            PAGE, PAGE, PAGE, 2 * PAGE]
         turn = first + list(answer.outputs[0].token_ids) + tokens(rng, 40)
         assert llm.reset_prefix_cache()
         before = cached_by_source(llm)

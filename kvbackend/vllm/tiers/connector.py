@@ -139,6 +139,10 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.state_groups = [g for g, group in enumerate(kv_cache_config.kv_cache_groups)
                              if isinstance(group.kv_cache_spec, MambaSpec)]
         self.block_nbytes = block_nbytes(kv_cache_config)
+        # a block of one group, every layer (one per group: the workers check each), and
+        # the payload of a block's ordinary copy: a hybrid's holds no state page
+        self.page_nbytes = self.block_nbytes // self.num_groups
+        self.ordinary_nbytes = self.page_nbytes * (self.num_groups - len(self.state_groups))
         self.planner: TierPlanner | None = None
         # Until register_kv_caches sets up the tiers:
         self.worker = TierWorker(None, fail_requests=self.num_groups > 1)
@@ -151,6 +155,11 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
+
+    @property
+    def payload_sizes(self) -> tuple[int, ...]:
+        """A tier block's payload sizes: an ordinary copy's, a checkpoint copy's."""
+        return (self.ordinary_nbytes, self.block_nbytes)
 
     @property
     def host_bytes(self) -> int:
@@ -171,12 +180,13 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                  for rank in range(identity.tp_size)] if self.settings.disk_cache_dir else []
         remotes = [self._remote_tier(replace(identity, tp_rank=rank))
                    for rank in range(identity.tp_size)] if self.settings.remote_cache_url else []
-        capacity = self.host_bytes // self.block_nbytes if self.block_nbytes else 0
+        capacity = self.host_bytes // self.page_nbytes if self.page_nbytes else 0  # in pages
         backend = (self._vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
         retained_fraction = backend.get("max_retained_fraction",
                                         KVBackendConfig.max_retained_fraction)
         logger.info("kvbackend tiers: host %.2f GiB (%d blocks of %d bytes), disk %s, remote %s; "
-                    "identity %s", self.settings.host_cache_gb, capacity, self.block_nbytes,
+                    "identity %s", self.settings.host_cache_gb,
+                    self.host_bytes // max(1, self.ordinary_nbytes), self.ordinary_nbytes,
                     self.settings.disk_cache_dir or "off", remotes[0].url if remotes else "off",
                     identity.digest()[:16])
         return TierPlanner(spec.block_size, identity.digest(), capacity,
@@ -188,7 +198,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                            max_steps_in_flight=self._vllm_config.max_concurrent_batches,
                            all_loads_async=self.num_groups > 1 or bool(
                                self._vllm_config.scheduler_config.async_scheduling),
-                           state_groups=self.state_groups)
+                           state_groups=self.state_groups,
+                           payload_weights=(self.ordinary_nbytes // self.page_nbytes,
+                                            self.num_groups))
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""
@@ -197,7 +209,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         return RemoteTier(self.settings.remote_cache_url, identity,
                           checksum_key=self.settings.remote_checksum_key(),
                           password=self.settings.remote_password(),
-                          block_nbytes=self.block_nbytes)
+                          payload_sizes=self.payload_sizes)
 
     def prefetch(self, request: Request) -> None:
         """On the request's arrival: have the workers read its disk blocks into their
@@ -323,8 +335,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                                   (REMOTE, order.to_remote)):
                 if ordered:
                     events.tier_stored(tier, order.key, order.block_id)
-        for key in orders.prefetches:
-            events.tier_copied(DISK, HOST, key)
+        for key, checkpoint in orders.prefetches:
+            if not checkpoint:  # its block's own copy is announced
+                events.tier_copied(DISK, HOST, key)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The step ran; its failed loads are known. O(loads of that step)."""
@@ -456,7 +469,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                                "serving without persisting KV blocks", self.settings.disk_cache_dir,
                                "read-only" if disk.mode is DiskMode.RO else "disabled")
         return BlockMover(layers, block_dim, self.block_nbytes, groups[0].kv_cache_spec.block_size,
-                          host, disk)
+                          host, disk, self.state_groups)
 
     def _disk_tier(self, identity: CacheIdentity, **options: Any) -> DiskTier:
         """The disk tier of one rank: ``disk_cache_gb`` split evenly across the ranks.
@@ -465,7 +478,8 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         settings = self.settings
         bound = int(settings.disk_cache_gb * _GIB) // identity.tp_size
-        return DiskTier(settings.disk_cache_dir, bound, identity, block_nbytes=self.block_nbytes,
+        return DiskTier(settings.disk_cache_dir, bound, identity,
+                        payload_sizes=self.payload_sizes,
                         shared_group=settings.disk_cache_shared_group, **options)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

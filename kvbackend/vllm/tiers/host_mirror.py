@@ -2,7 +2,8 @@
 
 The scheduler alone decides what the workers keep in host memory: each
 eviction it makes here reaches the workers as a drop order, applied before any
-put of the same step, and ``capacity`` blocks fit in each worker's host tier, so
+put of the same step, and every key's ``weight`` (its payload's size, in units the
+caller picks) adds up to at most ``capacity``, what each worker's host tier holds, so
 a worker never evicts on its own and every worker holds exactly these keys once
 the step's orders have run. Until then the keys inserted in the step are
 *arriving*: a load in the step promotes them, or a save puts them, and no host
@@ -11,7 +12,7 @@ tier holds them yet (a read that fails never puts them). Only keys the workers
 
 Retention (``kv_retain_s``) reaches the host tier here: a retained key is evicted
 only once no unpinned ordinary key is left, until its time is up; then, or when
-more than ``max_retained`` keys are retained (the oldest-used goes first), it
+the retained keys weigh more than ``max_retained`` (the oldest-used goes first), it
 becomes the least recently used ordinary key: a conversation that did not come
 back in time is the first to leave.
 """
@@ -32,8 +33,8 @@ class Insertion(NamedTuple):
 
 
 class HostMirror:
-    """Block keys in eviction order, at most ``capacity`` of them: ordinary keys least
-    recently used first, then retained keys least recently used first.
+    """Block keys in eviction order, weighing at most ``capacity`` together: ordinary
+    keys least recently used first, then retained keys least recently used first.
 
     A pinned key (a lookup or a load in flight lists it) is never evicted; pins are
     counted, so several requests may pin one key. A key ``insert`` added stays
@@ -41,13 +42,14 @@ class HostMirror:
     ordinary key until ``expire(now)`` sees ``until`` pass (see the module docstring).
 
     Invariants (``check_invariants``):
-      * ``len(self) <= capacity``; a key is ordinary or retained, never both
-      * at most ``max_retained`` keys are retained, each with an expiry heap entry
-        ``(until, key)`` (the heap may also hold stale entries)
+      * ``used``, the keys' weights summed, ``<= capacity``; a key is ordinary or
+        retained, never both
+      * the retained keys weigh at most ``max_retained``, each has an expiry heap
+        entry ``(until, key)`` (the heap may also hold stale entries)
       * every pin count is positive
       * every arriving key is a key, and none is pinned (only held keys are host hits)
-    Complexity: O(1) per lookup, touch, remove and pin; ``insert`` O(1 + pinned (and,
-    ``ordinary_only``, arriving) keys it skips while looking for a victim); ``retain``
+    Complexity: O(1) per lookup, touch, remove and pin; ``insert`` O(1 + victims +
+    pinned (and, ``ordinary_only``, arriving) keys it skips while looking for them); ``retain``
     O(keys log n); ``expire`` O(log n) per heap entry it pops; ``orders_sent`` O(arriving
     keys).
     """
@@ -65,6 +67,9 @@ class HostMirror:
         self._expiry: list[tuple[float, str]] = []  # heap of (until, key)
         self._pins: Counter[str] = Counter()
         self._arriving: set[str] = set()  # inserted since the last orders_sent
+        self._weights: dict[str, int] = {}  # key -> its weight
+        self.used = 0  # the keys' weights summed
+        self._kept_weight = 0  # the retained keys' weights summed
 
     def __contains__(self, key: str) -> bool:
         return key in self._lru or key in self._kept
@@ -102,20 +107,22 @@ class HostMirror:
         every ordinary key until ``until`` (or a later time a retention already asked),
         as the most recently used retained keys, the first block most recent: a
         context loses its tail before its prefix, which the tail's keys chain on.
-        Beyond ``max_retained`` the least recently used retained keys become ordinary.
+        Past a weight of ``max_retained`` the least recently used retained keys become
+        ordinary.
         O(keys log n)."""
         if self.max_retained == 0:
             return
         for key in reversed(keys):
             if key in self._lru:
                 del self._lru[key]
+                self._kept_weight += self._weights[key]
             elif key not in self._kept:
                 continue
             if until > self._kept.get(key, float("-inf")):
                 self._kept[key] = until
                 heapq.heappush(self._expiry, (until, key))
             self._kept.move_to_end(key)
-        while len(self._kept) > self.max_retained:
+        while self._kept_weight > self.max_retained:
             self._release(next(iter(self._kept)))
 
     def expire(self, now: float) -> None:
@@ -132,30 +139,41 @@ class HostMirror:
     def _release(self, key: str) -> None:
         """A retained key becomes the least recently used ordinary key."""
         del self._kept[key]
+        self._kept_weight -= self._weights[key]
         self._lru[key] = None
         self._lru.move_to_end(key, last=False)
 
-    def insert(self, key: str, ordinary_only: bool = False) -> Insertion:
-        """Add ``key`` as most recently used (or touch it if present), evicting the
-        least recently used unpinned key when full; with ``ordinary_only`` (a
-        prefetch) only an ordinary key that is neither pinned nor arriving. Refused
-        (added False, nothing evicted) when the capacity is 0 or no key may go. An
+    def insert(self, key: str, ordinary_only: bool = False, weight: int = 1) -> Insertion:
+        """Add ``key`` of ``weight`` as most recently used (or touch it if present),
+        evicting the least recently used unpinned keys it does not fit beside; with
+        ``ordinary_only`` (a prefetch) only ordinary keys neither pinned nor arriving.
+        Refused (added False, nothing evicted) when those keys cannot make room. An
         added key is arriving."""
         if key in self:
             self.touch(key)
             return Insertion(False, ())
-        evicted: tuple[str, ...] = ()
-        if len(self) >= self.capacity:
+        if not isinstance(weight, int) or weight < 1:
+            raise ValueError(f"a key's weight must be an int >= 1, got {weight!r}")
+        if weight > self.capacity:
+            return Insertion(False, ())
+        excess, victims = self.used + weight - self.capacity, []
+        if excess > 0:
             candidates = self._lru if ordinary_only else chain(self._lru, self._kept)
-            victim = next((k for k in candidates if k not in self._pins
-                           and not (ordinary_only and k in self._arriving)), None)
-            if victim is None:
+            for k in candidates:
+                if k not in self._pins and not (ordinary_only and k in self._arriving):
+                    victims.append(k)
+                    excess -= self._weights[k]
+                    if excess <= 0:
+                        break
+            if excess > 0:
                 return Insertion(False, ())
-            self.remove(victim)
-            evicted = (victim,)
+            for victim in victims:
+                self.remove(victim)
         self._lru[key] = None
+        self._weights[key] = weight
+        self.used += weight
         self._arriving.add(key)
-        return Insertion(True, evicted)
+        return Insertion(True, tuple(victims))
 
     def remove(self, key: str) -> bool:
         """Forget ``key`` (pinned or not); True if it was present. O(1)."""
@@ -163,6 +181,9 @@ class HostMirror:
             del self._lru[key]
         elif self._kept.pop(key, None) is None:
             return False
+        else:
+            self._kept_weight -= self._weights[key]
+        self.used -= self._weights.pop(key)
         self._arriving.discard(key)
         return True
 
@@ -173,6 +194,8 @@ class HostMirror:
         self._expiry.clear()
         self._pins.clear()
         self._arriving.clear()
+        self._weights.clear()
+        self.used = self._kept_weight = 0
 
     def pin(self, key: str) -> None:
         self._pins[key] += 1
@@ -197,14 +220,18 @@ class HostMirror:
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` naming the first broken invariant (plain raises, so
         ``python -O`` keeps them). O(n)."""
-        if len(self) > self.capacity:
-            raise RuntimeError(f"{len(self)} keys exceed the capacity of {self.capacity}")
+        if self._weights.keys() != set(self._lru) | set(self._kept):
+            raise RuntimeError("the weighed keys are not the mirror's keys")
+        if self.used != sum(self._weights.values()) or self.used > self.capacity:
+            raise RuntimeError(f"used {self.used} of {self.capacity}: not the keys' weights "
+                               f"{sum(self._weights.values())}, or over the capacity")
         both = self._lru.keys() & self._kept.keys()
         if both:
             raise RuntimeError(f"keys {list(both)[:3]} are both ordinary and retained")
-        if len(self._kept) > self.max_retained:
-            raise RuntimeError(f"{len(self._kept)} retained keys exceed the bound of "
-                               f"{self.max_retained}")
+        kept = sum(self._weights[k] for k in self._kept)
+        if self._kept_weight != kept or kept > self.max_retained:
+            raise RuntimeError(f"retained keys weigh {kept} (counted {self._kept_weight}), "
+                               f"bound {self.max_retained}")
         entries = set(self._expiry)
         missing = [k for k, until in self._kept.items() if (until, k) not in entries]
         if missing:

@@ -71,12 +71,13 @@ class StepOrders(NamedTuple):
     reading and writing the disk and remote tiers for good), ``drops`` (keys to remove
     from the host tier), ``loads``, and ``failed`` ((request id, block id) pairs to
     report as failed loads without trying); after it: ``saves``, then ``prefetches``
-    (keys to read from disk into the host tier, kept only if they verify: a waiting
-    request's blocks, off the forward pass). ``async_loads``: the requests whose loads
-    vLLM awaits asynchronously (those with a remote hit; every hit with several KV-cache
-    groups): their host and disk blocks load with the others, their remaining blocks
-    come from the remote tier in the background, and each worker reports the request
-    finished once they arrived (or missed: failed loads, recomputed).
+    ((key, whether a checkpoint copy) pairs to read from disk into the host tier, kept
+    only if they verify: a waiting request's blocks, off the forward pass).
+    ``async_loads``: the requests whose loads vLLM awaits asynchronously (those with a
+    remote hit; every hit with several KV-cache groups): their host and disk blocks load
+    with the others, their remaining blocks come from the remote tier in the
+    background, and each worker reports the request finished once they arrived (or
+    missed: failed loads, recomputed).
     """
 
     clear_host: bool = False
@@ -86,7 +87,7 @@ class StepOrders(NamedTuple):
     failed: tuple[tuple[str, int], ...] = ()
     saves: tuple[SaveOrder, ...] = ()
     async_loads: tuple[str, ...] = ()
-    prefetches: tuple[str, ...] = ()
+    prefetches: tuple[tuple[str, bool], ...] = ()
 
 
 class TierFact(NamedTuple):

@@ -38,8 +38,8 @@ identity). Calls, in vLLM's order within a step:
                         vLLM parks the request until the workers report its blocks
                         arrived), and so does every hit with ``all_loads_async`` (async
                         scheduling; several KV-cache groups: vLLM takes a failed load
-                        only as a failed request, ``step_finished``). The host keys it lists are pinned
-                        until the loads have run.
+                        only as a failed request, ``step_finished``). The host keys it
+                        lists are pinned until the loads have run.
   ``allocated``         a load order per block vLLM adopted; a disk block is promoted
                         into the mirror when an unpinned slot can be made (a remote
                         block is not: it arrives steps later; its request's first
@@ -164,8 +164,10 @@ class TierPlanner:
     for every rank, in one round trip per rank (None: no remote tier);
     ``remote_step_blocks``: the most blocks one step loads from it;
     ``prefetch_step_blocks``: the most blocks one step prefetches from disk into host
-    (0: no prefetch). ``host_capacity``: blocks each worker's host tier holds, at most
-    ``max_retained`` of them retained; ``clock`` (seconds) times retentions.
+    (0: no prefetch). ``host_capacity``: what each worker's host tier holds, at most
+    ``max_retained`` of it retained, in units of which a block's copy takes
+    ``payload_weights`` (ordinary, checkpoint; a hybrid's ordinary copies hold its
+    attention pages only); ``clock`` (seconds) times retentions.
     ``max_steps_in_flight``: steps planned before the oldest one's output is in (vLLM's
     ``max_concurrent_batches``: 2 with async scheduling);
     ``all_loads_async``: every hit loads asynchronously (async scheduling, several
@@ -196,7 +198,8 @@ class TierPlanner:
                  remote_step_blocks: int = 0, max_retained: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  prefetch_step_blocks: int = 0, max_steps_in_flight: int = 1,
-                 all_loads_async: bool = False, state_groups: Collection[int] = ()) -> None:
+                 all_loads_async: bool = False, state_groups: Collection[int] = (),
+                 payload_weights: tuple[int, int] = (1, 1)) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(max_steps_in_flight, int) or max_steps_in_flight <= 0:
@@ -211,7 +214,9 @@ class TierPlanner:
         self.remote_contains = remote_contains
         self.remote_step_blocks = remote_step_blocks
         self.prefetch_step_blocks = prefetch_step_blocks
-        self._prefetches: dict[str, str] = {}  # key -> request, queued for this step
+        self.payload_weights = payload_weights
+        # key -> (request, whether a checkpoint copy), queued for this step
+        self._prefetches: dict[str, tuple[str, bool]] = {}
         self._step_remote = 0  # remote loads planned for the step being scheduled
         self._requests: dict[str, _Request] = {}
         self._step_loads: dict[str, _Loads] = {}  # planned for the step being scheduled
@@ -247,9 +252,9 @@ class TierPlanner:
             for key in keys:
                 if key not in self.host:  # else held, or arriving with this step's orders
                     if queued == room or not self._on_disk(key) or not self._host_insert(
-                            key, True):
+                            key, ordinary_only=True):
                         break
-                    self._prefetches[key] = request_id
+                    self._prefetches[key] = (request_id, False)
                     queued += 1
                 run += 1
             if self.state_groups and queued < room:
@@ -349,7 +354,8 @@ class TierPlanner:
                 promote = False
                 self._step_remote += 1
             else:  # the load promotes a prefetch of this step instead of reading twice
-                promote = self._prefetches.pop(key, None) is not None or self._host_insert(key)
+                promote = self._prefetches.pop(key, None) is not None or self._host_insert(
+                    key, checkpoint=checkpoint)
             self._loads.append(LoadOrder(request_id, block_id, key, promote, blocks, checkpoint))
             if lookup.sources[j] is not Source.HOST and not checkpoint:
                 self._facts.append(TierFact(lookup.sources[j], key, block_id))
@@ -407,7 +413,8 @@ class TierPlanner:
         for step_loads in self._step_loads.values():
             self._unpin(step_loads.pinned)  # loaded in this step, before any later drop
             step_loads.pinned = []
-        prefetches = tuple(self._prefetches)
+        prefetches = tuple((key, checkpoint) for key, (_, checkpoint)
+                           in self._prefetches.items())
         for request_id in self._async:  # unpinned above
             self._awaited[request_id] = self._step_loads.get(request_id, _Loads())
         orders = StepOrders(self._clear_host, self._disk_off, tuple(self._drops), tuple(loads),
@@ -474,7 +481,7 @@ class TierPlanner:
         self.host.expire(now)
         st = self._requests.pop(request_id, None)
         self._awaited.pop(request_id, None)
-        for key in [k for k, r in self._prefetches.items() if r == request_id]:
+        for key in [k for k, (r, _) in self._prefetches.items() if r == request_id]:
             del self._prefetches[key]  # arriving: no worker holds it, nothing to drop
             self.host.remove(key)
         if st is not None:
@@ -537,8 +544,9 @@ class TierPlanner:
         self._facts.append(TierFact(Source.DISK, key, None))
         return False
 
-    def _host_insert(self, key: str, ordinary_only: bool = False) -> bool:
-        inserted = self.host.insert(key, ordinary_only)
+    def _host_insert(self, key: str, ordinary_only: bool = False,
+                     checkpoint: bool = False) -> bool:
+        inserted = self.host.insert(key, ordinary_only, self.payload_weights[checkpoint])
         self._drops.extend(inserted.evicted)
         for evicted in inserted.evicted:  # a queued prefetch a later insert evicted
             self._prefetches.pop(evicted, None)
@@ -566,8 +574,8 @@ class TierPlanner:
                 st.state_ends.discard(i)
                 key = checkpoint_key(keys[i])
                 saves.append(SaveOrder(request.request_id, request.block_ids[i], key,
-                                       self._host_insert(key), to_disk, to_remote, physical,
-                                       checkpoint=True))
+                                       self._host_insert(key, checkpoint=True), to_disk,
+                                       to_remote, physical, checkpoint=True))
         st.num_checked = num_full
 
     def _prefetch_checkpoint(self, request_id: str, keys: list[str]) -> int:
@@ -578,9 +586,9 @@ class TierPlanner:
             if key in self.host:
                 return 0
             if self.disk_contains(key):
-                if not self._host_insert(key, True):
+                if not self._host_insert(key, ordinary_only=True, checkpoint=True):
                     return 0
-                self._prefetches[key] = request_id
+                self._prefetches[key] = (request_id, True)
                 return 1
         return 0
 
@@ -663,7 +671,7 @@ class TierPlanner:
                                f"{self.prefetch_step_blocks}")
         if self._prefetches and self.disk_contains is None:
             raise RuntimeError("prefetches queued without a disk tier")
-        for key, request_id in self._prefetches.items():
+        for key, (request_id, _) in self._prefetches.items():
             if (key in listed or key not in self.host or self.host.holds(key)
                     or request_id not in self._requests):
                 raise RuntimeError(f"prefetch of {key[:16]} for {request_id} is not an "

@@ -132,17 +132,19 @@ class TierWorker:
         done = self.reader.take_done() if self.reader is not None else []
         for request_id, payloads, seconds in done:
             loads = self.fetching.pop(request_id, [])
-            found = [(o.blocks, o.key, p, o.promote) for o, p in zip(loads, payloads)
+            found = [(o, p) for o, p in zip(loads, payloads)
                      if p is not None and self.remote is not None]  # none once closed
             try:
-                self.mover.load_payloads(found)
+                done = self.mover.load_payloads(
+                    [(o.blocks, o.key, p, o.promote, o.checkpoint) for o, p in found])
             except Exception:  # noqa: BLE001
                 logger.exception("kvbackend tiers: placing remote blocks failed; they are "
                                  "recomputed")
-                found = []
-            placed = {blocks for blocks, _, _, _ in found}
+                done = [False] * len(found)
+            placed = {o.blocks for (o, _), ok in zip(found, done) if ok}
             self._fail((o.request_id, o.block_id) for o in loads if o.blocks not in placed)
-            self._loaded("remote", len(found), seconds)
+            self._loaded("remote", self._nbytes(o.checkpoint for (o, _), ok in zip(found, done)
+                                                if ok), seconds)
             self._finished.add(request_id)
             self._moved = True
         if done and self.reader is not None:
@@ -168,17 +170,23 @@ class TierWorker:
             if part:
                 corrupt = _corrupt_count(mover.disk) if tier == "disk" else 0
                 start = time.perf_counter()
-                done = mover.load_many([(o.blocks, o.key, o.promote) for o in part])
-                self._loaded(tier, sum(done), time.perf_counter() - start)
+                done = mover.load_many([(o.blocks, o.key, o.promote, o.checkpoint)
+                                        for o in part])
+                self._loaded(tier, self._nbytes(o.checkpoint for o, ok in zip(part, done) if ok),
+                             time.perf_counter() - start)
                 if tier == "disk":
                     self._stats.count("verify_failed_blocks", tier,
                                       _corrupt_count(mover.disk) - corrupt)
                 missed += [o for o, ok in zip(part, done) if not ok]
         return missed
 
-    def _loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
-        self._stats.count("load_bytes", tier, num_blocks * self.mover.block_nbytes)
+    def _loaded(self, tier: str, nbytes: int, seconds: float) -> None:
+        self._stats.count("load_bytes", tier, nbytes)
         self._stats.observe("load_seconds", tier, seconds)
+
+    def _nbytes(self, checkpoints: Iterable[bool]) -> int:
+        """The payload bytes of blocks that are (or are not) checkpoint copies."""
+        return sum(map(self.mover.payload_nbytes, checkpoints))
 
     def finish_step(self, orders: StepOrders) -> None:
         """The saves, then the prefetches, after the forward pass. O(saved and prefetched
@@ -193,9 +201,9 @@ class TierWorker:
 
     def _save(self, mover: BlockMover, orders: StepOrders) -> None:
         self._moved = True
-        # Per tier: blocks saved; blocks timed and their seconds (a block saved to host
+        # Per tier: bytes saved; blocks timed and their seconds (a block saved to host
         # and disk is timed as disk: one gather serves both).
-        blocks = {"host": 0, "disk": 0, "remote": 0}
+        saved = {"host": 0, "disk": 0, "remote": 0}
         timed = {"host": 0, "disk": 0, "remote": 0}
         seconds = {"host": 0.0, "disk": 0.0, "remote": 0.0}
         try:
@@ -207,7 +215,7 @@ class TierWorker:
                 if to_disk:
                     to_disk_keys.add(order.key)
                 if to_host or to_disk:
-                    local.append((order.blocks, order.key, to_host, to_disk))
+                    local.append((order.blocks, order.key, to_host, to_disk, order.checkpoint))
             # In order (the planner's host mirror replays it), each run of blocks that go
             # to disk or to host only in one batch, timed as that tier.
             for tier, run in itertools.groupby(local, key=lambda s: "disk" if s[3] else "host"):
@@ -216,31 +224,37 @@ class TierWorker:
                 mover.save_many(run)
                 seconds[tier] += time.perf_counter() - start
                 timed[tier] += len(run)
-                blocks["host"] += sum(to_host for _, _, to_host, _ in run)
-                blocks["disk"] += sum(to_disk for _, _, _, to_disk in run)
+                saved["host"] += self._nbytes(whole for _, _, to_host, _, whole in run
+                                              if to_host)
+                saved["disk"] += self._nbytes(whole for _, _, _, to_disk, whole in run
+                                              if to_disk)
             remote = [o for o in orders.saves if o.to_remote] if self.remote is not None else []
             if remote:
                 start = time.perf_counter()
-                rows = mover.gather_many([o.blocks for o in remote])
+                rows = mover.gather_many([(o.blocks, o.checkpoint) for o in remote])
                 self.remote.submit([(o.key, row, mover.block_size) for o, row in zip(remote, rows)])
                 seconds["remote"] += time.perf_counter() - start
-                blocks["remote"] = timed["remote"] = len(remote)
+                timed["remote"] = len(remote)
+                saved["remote"] = self._nbytes(o.checkpoint for o in remote)
         except Exception:  # noqa: BLE001
             logger.exception("kvbackend tiers: saving blocks failed; they will be recomputed "
                              "when needed")
-        for tier, n in blocks.items():
-            self._stats.count("save_bytes", tier, n * mover.block_nbytes)
+        for tier, n in saved.items():
+            self._stats.count("save_bytes", tier, n)
             if timed[tier]:
                 self._stats.observe("save_seconds", tier, seconds[tier])
 
-    def _prefetch(self, mover: BlockMover, keys: Sequence[str]) -> None:
-        """Read ``keys`` from disk into the host tier, timed as disk loads. A block that
-        missed is found missing when a load asks for it (see ``TierPlanner``)."""
+    def _prefetch(self, mover: BlockMover, keys: Sequence[tuple[str, bool]]) -> None:
+        """Read ``keys`` ((key, whether a checkpoint copy) pairs) from disk into the host
+        tier, timed as disk loads. A block that missed is found missing when a load asks
+        for it (see ``TierPlanner``)."""
         self._moved = True
         try:
             corrupt = _corrupt_count(mover.disk) if mover.disk is not None else 0
             start = time.perf_counter()
-            self._loaded("disk", mover.prefetch(list(keys)), time.perf_counter() - start)
+            put = mover.prefetch(list(keys))
+            self._loaded("disk", self._nbytes(checkpoint for (_, checkpoint), ok in zip(keys, put)
+                                              if ok), time.perf_counter() - start)
             if mover.disk is not None:
                 self._stats.count("verify_failed_blocks", "disk",
                                   _corrupt_count(mover.disk) - corrupt)
