@@ -2,6 +2,7 @@
 
     python benchmarks/bench_hybrid.py [--model qwen3-next|gemma3] [--rounds 4] [--agents 8]
                                       [--budget 2048] [--kv-cache-mib 256] [--host-cache-gb 0]
+                                      [--context-tokens 0]
 
 Models (tiny, random weights, built locally):
 
@@ -11,9 +12,10 @@ Models (tiny, random weights, built locally):
     gemma3      interleaved sliding-window and full attention (``build_tiny_gemma3``: two
                 64-token-window layers, one full layer, float32, 32-token blocks)
 
-Workload: ``--agents`` conversations on one 1,500-token system prompt, each turn adding
-the 16 greedy output tokens and a 30-token user message, ``--rounds`` turns, every turn
-one ``LLM.generate`` batch, in ``--kv-cache-mib`` of KV cache. Engines, one after
+Workload: ``--agents`` conversations on one 1,500-token system prompt (then, with
+``--context-tokens``, a document of that many tokens of each agent's own), each turn
+adding the 16 greedy output tokens and a 30-token user message, ``--rounds`` turns, every
+turn one ``LLM.generate`` batch, in ``--kv-cache-mib`` of KV cache. Engines, one after
 another in this process:
 
     no-cache        vLLM, enable_prefix_caching=False
@@ -64,7 +66,7 @@ def run(mode: str, model: str, args) -> dict:
     rng = random.Random(5)
     words = lambda n: [rng.randrange(3, 512) for _ in range(n)]  # noqa: E731
     system = words(SYSTEM_TOKENS)
-    convos = [system + words(TURN_TOKENS) for _ in range(args.agents)]
+    convos = [system + words(args.context_tokens + TURN_TOKENS) for _ in range(args.agents)]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     reused = total = 0
     outputs, elapsed = [], 0.0
@@ -95,6 +97,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--host-cache-gb", type=float, default=0.0)
+    parser.add_argument("--context-tokens", type=int, default=0,
+                        help="each agent's own document after the system prompt")
     args = parser.parse_args()
 
     from kvbackend.testing.tiny_model import build_tiny_gemma3, build_tiny_qwen3_next
@@ -107,7 +111,8 @@ def main() -> None:
         results = {mode: run(mode, model, args) for mode in engines}
     base = results["vllm-apc"]
     print(f"\n{args.model}: {args.agents} agents x {args.rounds} turns on a {SYSTEM_TOKENS}-"
-          f"token system prompt, max_num_batched_tokens {args.budget}, "
+          f"token system prompt (+ {args.context_tokens} own), max_num_batched_tokens "
+          f"{args.budget}, "
           f"{args.kv_cache_mib} MiB of KV cache\n")
     print("| engine | batches (s) | time vs vllm-apc | prompt tokens reused | "
           "outputs = vllm-apc |")

@@ -45,10 +45,11 @@ per-group block table (``ScheduledRequest.physical``), which the worker's
 ``BlockMover`` moves. vLLM takes no failed block ids with several groups (it
 raises), so every hit loads asynchronously and the workers report a failed load as
 a failed request (``failed_recving``), which vLLM recomputes whole. Mamba /
-linear-attention hybrids ("align" mode): the state groups' pages of a block are
-saved and loaded like any group's, and a hit ends on a block saved as a state
-checkpoint (``TierPlanner``, "State checkpoints"); their state tensors are views of
-the buffers the attention layers' tensors span (``cache_layers``).
+linear-attention hybrids ("align" mode): a block's ordinary copy holds the attention
+groups' pages only, a block saved as a state checkpoint every group's (``BlockMover``
+payload shapes; the host tier counts both in pages), and a hit ends on such a
+checkpoint (``TierPlanner``, "State checkpoints"); the state tensors are views of the
+buffers the attention layers' tensors span (``cache_layers``).
 
 Keys name a rank-0 ``CacheIdentity`` (``kvbackend.vllm.tier_identity``); the
 disk tier separates TP ranks by directory and header, the remote tier by key

@@ -79,14 +79,16 @@ identity). Calls, in vLLM's order within a step:
 State checkpoints (``state_groups``: a Mamba / linear-attention hybrid in vLLM's
 "align" mode, ``kvbackend/vllm/state_checkpoints.py``): a block's state pages hold
 the state after exactly its last token only if a step of the request that computed
-it ended there. ``plan_step`` records those step ends; such a block is saved twice,
-under its key (every page; its state pages are never read from this copy) and under
-``checkpoint_key(key)``. A lookup's hit is cut back to its longest prefix whose last
-block has a checkpoint copy in some tier (host, else disk, else remote within the
-step's remote loads: one round trip per rank asks for every copy past the longest
-one held locally), and that block loads from it, state pages included; the hit's
-other blocks load their attention pages only (their state pages stay 0 in the load
-order's ``physical``). The workers then resume the request from that state, as from
+it ended there. ``plan_step`` records those step ends; such a block is saved twice:
+under its key, as every block is (an ordinary copy: its attention pages only, no one
+reads a state from it), and under ``checkpoint_key(key)`` (every page; the host mirror
+weighs it ``payload_weights[1]``, an ordinary copy ``payload_weights[0]``). A
+lookup's hit is cut back to its longest prefix whose last block has a checkpoint copy
+in some tier (host, else disk, else remote within the step's remote loads: one round
+trip per rank asks for every copy past the longest one held locally), and that block
+loads from it, state pages included; the hit's other blocks load their ordinary
+copies' attention pages (their state pages stay 0 in the load order's ``physical``).
+The workers then resume the request from that state, as from
 a device hit's. A prefetch also queues the checkpoint copy its run would end on, and
 a retention keeps each block's checkpoint copy with it. Checkpoint copies are not
 announced as KV events (their blocks are).
