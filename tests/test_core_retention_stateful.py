@@ -8,9 +8,9 @@ the share cap on *distinct* retained blocks (recounted by brute force from the
 tree's nodes: a prefix several retentions share counts once), ending the
 retentions on a new one's path, and trimming by eviction.
 Before each single-block eviction it ranks the unlocked leaves by brute force --
-(retained by the model, priority, a partial tail block first, last use) -- and checks that the tree took
-blocks from the lowest-ranked leaves only: every ordinary leaf before any retained
-one, and an expired retention exactly like an ordinary entry.
+(retained by the model, priority, a partial tail block first, last use) -- and checks
+that the tree took blocks from the lowest-ranked leaves only: every ordinary leaf
+before any retained one, and an expired retention exactly like an ordinary entry.
 """
 
 from hypothesis import strategies as st

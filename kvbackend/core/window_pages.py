@@ -5,12 +5,12 @@ From position p a sliding-window layer attends to positions (p - window, p] only
 kvbackend's logical block (the unit of its tree and pool) is the block of the
 layers that attend to everything; its pages in the ``num_groups`` sliding-window
 groups are further blocks of the same pool, held here for the caller
-(``extra_blocks`` of ``PrefixCache.open_sequence`` / ``extend``). A block keeps them while a live sequence's
-window reaches it (*held*), then while the pool has room (*idle*): it is the
-cache's ``Reclaimer``, so when the pool falls short the longest-idle pages and
-the tree's least recently used blocks go in one order (a block turns idle with a
-stamp of the tree's use clock: ``PrefixCache._allocate``). A block the pool frees
-gives its pages back with it (``BlockPool.on_free``).
+(``extra_blocks`` of ``PrefixCache.open_sequence`` / ``extend``). A block keeps them
+while a live sequence's window reaches it (*held*), then while the pool has room
+(*idle*): it is the cache's ``Reclaimer``, so when the pool falls short the
+longest-idle pages and the tree's least recently used blocks go in one order (a
+block turns idle with a stamp of the tree's use clock: ``PrefixCache._allocate``). A
+block the pool frees gives its pages back with it (``BlockPool.on_free``).
 
 A hit of ``h`` tokens reads the pages of the blocks holding positions
 [h - window + 1, h) (from ``window_start(h)`` on): ``longest_hit`` cuts a match

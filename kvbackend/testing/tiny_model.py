@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path")
     parser.add_argument("--gemma3", action="store_true",
-                        help="the Gemma-3-style model (only --seed, --dtype, --sliding-window apply)")
+                        help="the Gemma-3-style model (only --seed, --dtype, "
+                             "--sliding-window apply)")
     parser.add_argument("--qwen3-next", action="store_true",
                         help="the linear-attention hybrid (only --seed applies)")
     parser.add_argument("--sliding-window", type=int, default=64)

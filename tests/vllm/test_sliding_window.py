@@ -159,9 +159,10 @@ def test_a_context_longer_than_every_groups_blocks_comes_back_from_the_host_tier
     """The 1 MiB pool above with a host tier: the sliding-window pages are still freed
     once out of every window (a tier block is saved while its window holds them, with
     every group's KV), so the engine starts (keeping every group's blocks, kvbackend
-    refused this max_model_len with a tier) and the 900-token request runs. With the device cache dropped, the
-    next turn loads all 28 whole blocks from host: every group's KV for the blocks its
-    window reads, the full-attention KV for the others, which get no window pages."""
+    refused this max_model_len with a tier) and the 900-token request runs. With the
+    device cache dropped, the next turn loads all 28 whole blocks from host: every
+    group's KV for the blocks its window reads, the full-attention KV for the others,
+    which get no window pages."""
     from kvbackend.vllm import engine_kwargs
 
     small = dict(max_model_len=1024, kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=256)
