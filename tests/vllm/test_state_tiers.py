@@ -65,8 +65,8 @@ def _files(directory, first: list[int]) -> tuple[list[str], list[str]]:
             [block_path(base, checkpoint_key(k)) for k in keys])
 
 
-def test_tier_hits_resume_from_state_checkpoints_only(
-        qwen3_next, ref, tmp_path, capfd):  # noqa: F811
+def test_tier_hits_resume_from_state_checkpoints_only(  # noqa: F811
+        qwen3_next, ref, tmp_path, capfd):
     """Engine A (host + disk tiers) prefills a 900-token prompt: all three whole blocks
     are saved (their attention pages), and only the third also as a checkpoint (both
     pages). With the device cache dropped:
