@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from kvbackend.ops.block_copy import BlockCopier
+from kvbackend.ops.block_copy import BlockCopier, extension_available
 from kvbackend.ops.pinned_rows import PinnedRows
 from kvbackend.store import DiskTier, HostTier
 
@@ -85,6 +85,7 @@ class BlockMover:
         self.host, self.disk = host, disk
         self.device = layers[0].device
         self.copier = BlockCopier(layers, block_dim)
+        extension_available()  # built (once per install) and loaded now, not in a step's save
         page_nbytes = self.copier.layout.block_nbytes  # one physical block of every layer
         # physical blocks per BlockRef: one per KV-cache group
         self.num_groups, rest = divmod(block_nbytes, page_nbytes)
