@@ -75,6 +75,8 @@ bench: $(BENCH_STAMP) $(SGL_STAMP)
 	set -o pipefail; $(PY) benchmarks/bench_agents.py --json $(REPORT)/bench_agents.json \
 	    | tee $(REPORT)/bench_agents.txt
 	set -o pipefail; $(PY) benchmarks/bench_hybrid.py | tee $(REPORT)/bench_hybrid.txt
+	set -o pipefail; $(PY) benchmarks/bench_hybrid.py --context-tokens 1500 --rounds 3 \
+	    --kv-cache-mib 8 --host-cache-gb 0.006 | tee $(REPORT)/bench_hybrid_tiers.txt
 	set -o pipefail; $(PY) benchmarks/bench_hybrid.py --model gemma3 --kv-cache-mib 3 \
 	    --max-model-len 1952 --rounds 8 --host-cache-gb 0.25 | tee $(REPORT)/bench_windows.txt
 	set -o pipefail; $(SGL_PY) benchmarks/bench_sglang.py | tee $(REPORT)/bench_sglang.txt
