@@ -92,12 +92,13 @@ class BlockMover:
         if rest or not self.num_groups:
             raise ValueError(f"a block of {block_nbytes} bytes is not a whole number of "
                              f"physical blocks of {page_nbytes} bytes")
-        ordinary = [g for g in range(self.num_groups) if g not in set(state_groups)]
-        if not ordinary or len(ordinary) + len(set(state_groups)) != self.num_groups:
+        state = set(state_groups)
+        ordinary = [g for g in range(self.num_groups) if g not in state]
+        if not ordinary or len(ordinary) + len(state) != self.num_groups:
             raise ValueError(f"state groups {sorted(state_groups)} are not some of the "
                              f"{self.num_groups} KV-cache groups")
         # the groups an ordinary payload holds (None: every group)
-        self._ordinary = torch.tensor(ordinary) if state_groups else None
+        self._ordinary = torch.tensor(ordinary) if state else None
         self.ordinary_nbytes = page_nbytes * len(ordinary)
         self._pinned = None if self.device.type == "cpu" else {
             nbytes: PinnedRows(nbytes) for nbytes in {block_nbytes, self.ordinary_nbytes}}
@@ -315,8 +316,8 @@ class BlockMover:
         staged = self.copier.gather(flat, self._device_rows[:len(flat)])
         start = 0
         for block_ids, row in zip(ids, rows):  # pinned rows: asynchronous copies
-            page = staged[start:start + len(block_ids)]
-            torch.from_numpy(row).copy_(page.view(-1), non_blocking=True)
+            pages = staged[start:start + len(block_ids)]
+            torch.from_numpy(row).copy_(pages.view(-1), non_blocking=True)
             start += len(block_ids)
         torch.cuda.current_stream(self.device).synchronize()
 

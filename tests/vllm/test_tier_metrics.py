@@ -33,6 +33,7 @@ from kvbackend.vllm.tiers.metrics import (  # noqa: E402
     COUNTERS, GAUGES, HISTOGRAMS, TIERS, KVBackendPromMetrics, KVBackendStats,
 )
 from kvbackend.vllm.tiers.worker import TierWorker  # noqa: E402
+from tests.redis_server import server  # noqa: E402, F401 - the module's server
 from tests.store_helpers import key_of, make_identity  # noqa: E402
 
 
@@ -170,6 +171,53 @@ def test_worker_counts_what_it_moved_per_tier(tmp_path):
     assert set(stats.data["histograms"]["load_seconds"]) == {"host", "disk"}
     assert stats.data["gauges"]["used_bytes"]["host"] == {"1": ROW}
     stats.check_invariants()
+
+
+def test_worker_counts_a_hybrids_two_payload_sizes_and_a_remote_request_that_all_failed(
+        server):
+    """A hybrid (state group 0 of 2) on a real server: a block's ordinary copy counts one
+    page, its checkpoint copy two, saved and loaded; a remote value that fails its check
+    counts as a verification failure also when it was its request's only block."""
+    from kvbackend.store import RemoteTier
+    from kvbackend.store.remote_writer import RemoteWriter
+
+    server.client().flushall()
+    cache = torch.arange(16 * ROW, dtype=torch.int64).remainder(251).to(torch.uint8)
+    before = cache.view(16, ROW).clone()
+    tier = RemoteTier(server.url, make_identity(), payload_sizes=(ROW, 2 * ROW), timeout_s=5)
+    mover = BlockMover([cache.view(16, ROW)], 0, 2 * ROW, 4, HostTier(8 * ROW), None,
+                       state_groups=[0])
+    worker = TierWorker(mover, RemoteWriter(tier, 1 << 20))
+    k1, k2, k3 = key_of(1), key_of(2), key_of(3)
+    worker.finish_step(StepOrders(saves=(
+        SaveOrder("r", 1, k1, True, False, True, (1, 2)),
+        SaveOrder("r", 1, k2, True, False, True, (1, 2), checkpoint=True),
+        SaveOrder("r", 3, k3, False, False, True, (3, 4)))))
+    assert worker.remote.flush(10)
+    assert worker.take_stats().data["counters"] == {
+        "save_bytes": {"host": 3 * ROW, "remote": 4 * ROW}}
+    client = server.client()
+    client.set(tier.redis_key(k3), client.get(tier.redis_key(k1)))  # k1's value: no match
+
+    worker.start_step(StepOrders(drops=(k1, k2), loads=(
+        LoadOrder("a", 5, k1, False, (5, 6)), LoadOrder("a", 7, k2, False, (7, 8), True)),
+        async_loads=("a",)))
+    worker.start_step(StepOrders(loads=(LoadOrder("b", 9, k3, False, (9, 10)),),
+                                 async_loads=("b",)))
+    finished: set[str] = set()
+    for _ in range(200):
+        finished |= worker.take_finished_loads()
+        if finished == {"a", "b"}:
+            break
+        worker.reader.wait_idle(0.05)
+    assert finished == {"a", "b"} and worker.take_load_errors() == {9}
+    blocks = cache.view(16, ROW)
+    assert torch.equal(blocks[5:7], torch.stack([before[5], before[2]]))  # k1: attention
+    assert torch.equal(blocks[7:9], before[1:3])  # k2: both pages
+    counters = worker.take_stats().data["counters"]
+    assert counters["load_bytes"] == {"remote": 3 * ROW}
+    assert counters["verify_failed_blocks"] == {"remote": 1}
+    worker.close()
 
 
 # ------------------------------------------------------------------ stateful

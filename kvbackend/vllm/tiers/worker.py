@@ -135,16 +135,16 @@ class TierWorker:
             found = [(o, p) for o, p in zip(loads, payloads)
                      if p is not None and self.remote is not None]  # none once closed
             try:
-                done = self.mover.load_payloads(
+                ok = self.mover.load_payloads(
                     [(o.blocks, o.key, p, o.promote, o.checkpoint) for o, p in found])
             except Exception:  # noqa: BLE001
                 logger.exception("kvbackend tiers: placing remote blocks failed; they are "
                                  "recomputed")
-                done = [False] * len(found)
-            placed = {o.blocks for (o, _), ok in zip(found, done) if ok}
-            self._fail((o.request_id, o.block_id) for o in loads if o.blocks not in placed)
-            self._loaded("remote", self._nbytes(o.checkpoint for (o, _), ok in zip(found, done)
-                                                if ok), seconds)
+                ok = [False] * len(found)
+            placed = [o for (o, _), good in zip(found, ok) if good]
+            held = {o.blocks for o in placed}
+            self._fail((o.request_id, o.block_id) for o in loads if o.blocks not in held)
+            self._loaded("remote", self._nbytes(o.checkpoint for o in placed), seconds)
             self._finished.add(request_id)
             self._moved = True
         if done and self.reader is not None:
