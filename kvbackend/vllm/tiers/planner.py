@@ -401,8 +401,16 @@ class TierPlanner:
         for request in scheduled:
             st = self._requests.get(request.request_id)
             end = request.num_computed_tokens + request.num_scheduled_tokens
-            if st is not None and self.state_groups and end % self.block_size == 0:
-                st.state_ends.add(end // self.block_size - 1)  # its block there holds one
+            if st is not None and self.state_groups and end > 0:
+                # the step leaves its state in the block of its last token: a checkpoint
+                # when it ends on that block's boundary, else no longer one (a recompute
+                # after a failed load, a preemption, may end inside a block recorded
+                # before, whose saves were deferred)
+                last = (end - 1) // self.block_size
+                if end % self.block_size == 0:
+                    st.state_ends.add(last)
+                else:
+                    st.state_ends.discard(last)
             if st is not None and request.request_id not in self._step_loads:
                 self._plan_saves(request, st, saves)
         for st in self._requests.values():  # lookups whose allocation failed
