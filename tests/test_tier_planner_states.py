@@ -203,3 +203,29 @@ def test_a_remote_checkpoint_copy_past_the_budget_is_not_probed():
     assert planner.lookup("a", tokens, b"", 0) == BS
     assert remote.asked == []
     planner.check_invariants()
+
+
+def test_a_step_ending_inside_a_recorded_block_unrecords_its_checkpoint():
+    """A request resumes from a host hit of two blocks and its step ends on block 2's
+    boundary while it loads (its saves wait). The load fails; vLLM recomputes the
+    request from its first token, and a step ends inside block 2, whose state page
+    then holds a state from inside the block: block 2 is saved without a checkpoint
+    copy. Before the fix the stale record saved that state as block 2's checkpoint
+    (found by the hybrid planner machine)."""
+    planner = _planner()
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    _prefill(planner, "a", PROMPT[:2 * BS], [2 * BS])  # blocks 0, 1 and 1's checkpoint
+    planner.request_finished("a", 0)
+    assert planner.lookup("b", PROMPT, b"", 0) == 2 * BS
+    ids, physical = _table(10, 4)
+    planner.allocated("b", ids, 2 * BS, physical)
+    orders = planner.plan_step([ScheduledRequest("b", 2 * BS, BS, ids, physical)])
+    assert not orders.saves  # it loads in this step: its saves wait
+    planner.step_finished({ids[1]})  # the checkpoint copy's load failed
+    saves = []
+    for start, end in ((0, 2 * BS + 2), (2 * BS + 2, 3 * BS + 1)):
+        saves += planner.plan_step([ScheduledRequest("b", start, end - start, ids,
+                                                     physical)]).saves
+        planner.step_finished(())
+        planner.check_invariants()
+    assert [(o.key, o.checkpoint) for o in saves if o.block_id == ids[2]] == [(keys[2], False)]
