@@ -368,6 +368,14 @@ class PrefixCache:
         self.tree.evict(self.pool.num_blocks)
 
     # ---------------------------------------------------------- caller blocks
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks for the caller outside any table, evicting (and reclaiming) as
+        ``open_sequence`` does; None when the pool cannot supply them. O(n + evictions)."""
+        blocks = self._allocate(n)
+        if blocks is not None:
+            self._caller_blocks.update(blocks)
+        return blocks
+
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Return the caller's blocks to the pool. O(len(block_ids))."""
         block_ids = list(block_ids)

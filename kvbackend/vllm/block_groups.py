@@ -14,16 +14,20 @@ so a token-exact hit, a copy-on-write copy or an eviction covers all groups at
 once, and with one group the mapping is the identity. Logical block 0 (the null
 block) covers physical blocks 0 .. num_groups - 1, vLLM's null block among them.
 
-A model with one full-attention group and sliding-window groups, served without
-a KV connector other than kvbackend's tiers, frees the sliding-window blocks no
-window reaches instead (``WindowedBlockGroups``): there a logical block is its
-full-attention block, and its sliding-window pages come from ``WindowPages``.
+A model with one full-attention group and either sliding-window groups or
+Mamba / linear-attention state groups, served without a KV connector other than
+kvbackend's tiers, holds a block's pages in the other groups only while they are
+needed instead (``PagedBlockGroups``): there a logical block is its full-attention
+block, and its other pages come from ``GroupPages`` (sliding-window pages while a
+window reaches the block, ``WindowPages``; state pages while a request's state runs
+through it, or while it holds a cached state checkpoint).
 
 The tier connector names a tier block by its logical id and moves its physical
 block in every group (``tier_blocks``, read from vLLM's per-group block table):
 one tier block holds every group's KV of its tokens. Where a sliding-window group
 lists vLLM's null block (0) the block is not whole on the device: a load fills
-the other groups, and it is never saved.
+the other groups, and it is never saved. A hybrid's ordinary tier copy holds its
+attention pages only, so a null state page never keeps a block from a tier.
 
 Invariants: the physical ids of distinct (logical, group) pairs are distinct and
 below ``num_logical * num_groups <= num_physical``.
@@ -36,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 
-from kvbackend.core.window_pages import WindowPages
+from kvbackend.core.group_pages import GroupPages
 
 
 class BlockGroups:
@@ -46,6 +50,7 @@ class BlockGroups:
         if num_groups < 1:
             raise ValueError(f"a model needs at least one KV-cache group, got {num_groups}")
         self.num_groups = num_groups
+        self.num_paged_groups = 0  # every group keeps every block
         self.num_logical = num_physical_blocks // num_groups
         self._objects = [KVCacheBlock(i) for i in range(self.num_logical * num_groups)]
 
@@ -123,43 +128,50 @@ class PhysicalBlocks(Sequence[tuple[int, ...]]):
         return tuple(ids[i] for ids in self.per_group)
 
 
-class WindowedBlockGroups:
-    """Logical blocks of a model with one full-attention group and sliding-window groups
-    whose blocks are freed once out of every window (``WindowPages``): a logical block
-    is its physical block in the full-attention group, and its physical block in a
-    sliding-window group is its page there, or vLLM's null block (0) where the
-    request's window no longer reaches it. O(1) per block and group."""
+class PagedBlockGroups:
+    """Logical blocks of a model with one full-attention group whose other groups'
+    pages a block holds only for a while (``GroupPages``: sliding-window pages while a
+    window reaches it, ``WindowPages``; state pages while a request's state runs
+    through it or a checkpoint stays cached): a logical block is its physical block in
+    the full-attention group, and its physical block in another group is its page
+    there, or vLLM's null block (0) where it has none or the request's window no longer
+    reaches it. O(1) per block and group."""
 
-    def __init__(self, num_physical_blocks: int, full_group: int, window_groups: Sequence[int],
-                 windows: WindowPages) -> None:
-        self.num_groups = 1 + len(window_groups)
+    def __init__(self, num_physical_blocks: int, full_group: int, paged_groups: Sequence[int],
+                 pages: GroupPages) -> None:
+        self.num_groups = 1 + len(paged_groups)
+        self.num_paged_groups = len(paged_groups)
         self.num_logical = num_physical_blocks
-        self.full_group, self.windows = full_group, windows
-        self._window_index = {group: k for k, group in enumerate(window_groups)}
+        self.full_group, self.pages = full_group, pages
+        self._paged_index = {group: k for k, group in enumerate(paged_groups)}
         self._objects = [KVCacheBlock(i) for i in range(num_physical_blocks)]
 
     def physical(self, logical: int, group: int) -> int:
+        """``logical``'s block in ``group``; KeyError where it has no page there."""
         if group == self.full_group:
             return logical
-        return self.windows.pages(logical)[self._window_index[group]]
+        return self.pages.pages(logical)[self._paged_index[group]]
 
     def as_blocks(self, logical_ids: Iterable[int], first_in_window: int = 0) -> KVCacheBlocks:
-        """One block list per group; in the sliding-window groups the blocks before index
-        ``first_in_window`` are the null block. O(groups * blocks)."""
-        logical_ids, objects = list(logical_ids), self._objects
+        """One block list per group; in the other groups the blocks before index
+        ``first_in_window``, and those without pages, are the null block.
+        O(groups * blocks)."""
+        logical_ids, objects, pages = list(logical_ids), self._objects, self.pages
+        null = objects[0]
         per_group = []
         for group in range(self.num_groups):
             if group == self.full_group:
                 per_group.append([objects[b] for b in logical_ids])
                 continue
-            k = self._window_index[group]
-            per_group.append([objects[0]] * min(first_in_window, len(logical_ids)) + [
-                objects[self.windows.pages(b)[k]] for b in logical_ids[first_in_window:]])
+            k = self._paged_index[group]
+            per_group.append([null] * min(first_in_window, len(logical_ids)) + [
+                objects[pages.pages(b)[k]] if pages.has_pages(b) else null
+                for b in logical_ids[first_in_window:]])
         return KVCacheBlocks(tuple(per_group))
 
     def copies(self, pairs: Iterable[tuple[int, int]]) -> list[KVCacheBlockCopy]:
         """A logical (src, dst) copy is one physical copy per group (both blocks have
-        their sliding-window pages: a copy's source is held until it ran)."""
+        their pages: a copy's source is held until it ran)."""
         return [KVCacheBlockCopy(self.physical(src, group), self.physical(dst, group))
                 for src, dst in pairs for group in range(self.num_groups)]
 

@@ -24,8 +24,9 @@ as vLLM's prefix caching does:
 - state groups (Mamba / linear attention, "align" mode): a block's state page is
   announced only once it holds a state checkpoint (``state_written``: a step ended
   on its last token, or a checkpoint is copied into it), as vLLM announces only
-  the state blocks it keeps (the others are its null block); removed with the
-  block.
+  the state blocks it keeps (the others are its null block); removed there when
+  the block stops holding one (its state pages were freed: ``state_removed``), or
+  with the block.
 
 A tier copy reuses the device block's event: no second hash. The tiers are named
 as vLLM's offloading tiers name theirs (``Tier``): host ``medium`` "CPU"; disk
@@ -226,6 +227,15 @@ class BlockEvents:
             self._announce_state(block_id)
         else:
             self._state_due.add(block_id)
+
+    def state_removed(self, block_id: int) -> None:
+        """Device block ``block_id``'s state pages no longer hold a checkpoint (freed:
+        ``StatePages``): removed in the state groups, or no longer due there."""
+        self._state_due.discard(block_id)
+        if block_id in self.state_announced:
+            self.state_announced.discard(block_id)
+            self._emit(BlockRemoved(block_hashes=self.announced[block_id].event.block_hashes,
+                                    medium=MEDIUM_GPU), state=True)
 
     def cleared(self) -> None:
         """Every device block left the cache (``reset_prefix_cache``). vLLM's

@@ -64,10 +64,11 @@ Several KV-cache groups (interleaved sliding-window and full attention, e.g.
 Gemma 2/3): every group's blocks are cached along the same token boundaries. A
 hit is valid where every group has what vLLM's ``HybridKVCacheCoordinator``
 requires: full-attention groups the whole prefix, sliding-window groups the last
-window. Two layouts (``block_groups.py``):
+window. Two layouts (``block_groups.py``; the first one also serves the hybrids
+below):
 
 - one full-attention group and sliding-window groups, with no KV connector but
-  kvbackend's tiers (``WindowedBlockGroups``): a logical block of the tree is the
+  kvbackend's tiers (``PagedBlockGroups``): a logical block of the tree is the
   full-attention group's block, and its pages in the sliding-window groups are further blocks
   of the same pool (``WindowPages``), held while a live request's window reaches
   the block. As vLLM's ``remove_skipped_blocks`` frees a request's blocks that
@@ -118,8 +119,19 @@ it one step later. Where the match's whole blocks reach past its checkpoint,
 their end is returned as the shared-prefix junction, as vLLM does: its
 scheduler ends a chunk there, and the state written there is copied next step
 into the block the tree lists for those tokens (a sibling's), so the next
-request sharing the prefix resumes from it. Every group keeps its blocks, as
-above: the state blocks of a long request stay, each holding a checkpoint or an
+request sharing the prefix resumes from it. With one full-attention group and no KV
+connector but kvbackend's tiers (``PagedBlockGroups``, as for sliding windows) a
+block has state pages only where a reader needs them (``state_pages.py``), as
+vLLM's ``MambaManager`` keeps them: the block a request's previous step ended in
+(the workers' copy source) and the one its current step ends in, and, idle until
+the pool needs them, the blocks holding a checkpoint; a request's table lists the
+null block elsewhere in the state groups. A request thus holds its full-attention
+blocks and at most three blocks' state pages (at admission: its hit's, its tier
+load's and its step's), and the pool's least-recently-used order takes idle
+checkpoints and the tree's blocks back alike; a checkpoint whose pages go back is
+forgotten. The junction copy gives the tree's block idle state pages if it has
+none (skipped when the pool has no room). Otherwise every group keeps its blocks,
+as above: the state blocks of a long request stay, each holding a checkpoint or an
 intermediate state no hit reads. kvbackend's tiers serve them: a tier hit ends on
 a block saved as a state checkpoint (``TierPlanner``), whose state pages its load
 fills; once the load is known good (``cache_blocks``) that block is recorded as a
@@ -255,13 +267,14 @@ from vllm.v1.request import Request, RequestStatus
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer, cdiv
 from kvbackend.core.miss_diagnosis import Admission
 from kvbackend.core.window_pages import WindowPages
-from kvbackend.vllm.block_groups import BlockGroups, WindowedBlockGroups
+from kvbackend.vllm.block_groups import BlockGroups, PagedBlockGroups
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.miss_log import MissLog
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.request_options import request_options
 from kvbackend.vllm.state_checkpoints import StateCheckpoints
+from kvbackend.vllm.state_pages import StatePages
 from kvbackend.vllm.step_writes import StepWrites
 
 logger = logging.getLogger(__name__)
@@ -291,32 +304,49 @@ class KVBackendManager(KVCacheManager):
     mode); block ids handed to the tree and pool are logical (``BlockGroups``)."""
 
     def __init__(self, *args: Any, backend_config: KVBackendConfig,
-                 kv_events: BlockEvents | None = None, free_windows: bool = True,
+                 kv_events: BlockEvents | None = None, free_group_pages: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
         self.kv_events = kv_events  # set with --kv-events-config
         num_physical = self.kv_cache_config.num_blocks
-        full, windowed = _attention_groups(self.kv_cache_config) if free_windows else ([], [])
+        # Mamba / linear-attention hybrids: hits end on a block holding a state checkpoint
+        self.state_groups = [g for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
+                             if isinstance(group.kv_cache_spec, MambaSpec)]
+        full, windowed = (_attention_groups(self.kv_cache_config, self.state_groups)
+                          if free_group_pages else ([], []))
         self.windows: WindowPages | None = None
-        if len(full) == 1 and windowed and len(full) + len(windowed) == self.num_kv_cache_groups:
+        self.states: StatePages | None = None
+        self.checkpoints: StateCheckpoints | None = None
+        paged = windowed if not self.state_groups else self.state_groups
+        if len(full) == 1 and paged and 1 + len(paged) == self.num_kv_cache_groups:
             self.cache = self._prefix_cache(num_physical, backend_config)
-            specs = [self.kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in windowed]
-            self.windows = WindowPages(self.cache, len(windowed),
-                                       max(spec.sliding_window for spec in specs),
-                                       on_dropped=self._window_dropped)
-            self.groups = WindowedBlockGroups(num_physical, full[0], windowed, self.windows)
-            in_flight = kwargs.get("max_in_flight_tokens") or self.max_model_len
-            # at most this many blocks of a request hold pages (vLLM's admission cap)
-            self._window_blocks = max(
-                spec.max_admission_blocks_per_request(in_flight, self.max_model_len)
-                for spec in specs)
+            if windowed:
+                specs = [self.kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in windowed]
+                self.windows = pages = WindowPages(
+                    self.cache, len(windowed), max(spec.sliding_window for spec in specs),
+                    on_dropped=self._window_dropped)
+                in_flight = kwargs.get("max_in_flight_tokens") or self.max_model_len
+                # at most this many blocks of a request hold pages (vLLM's admission cap)
+                self._max_paged_blocks = max(
+                    spec.max_admission_blocks_per_request(in_flight, self.max_model_len)
+                    for spec in specs)
+            else:
+                self.checkpoints = StateCheckpoints(self.block_size, num_physical)
+                self.states = StatePages(self.cache, len(paged), self.checkpoints,
+                                         on_removed=self._state_removed)
+                pages = self.states.pages
+                # a hit's checkpoint, a load's last block, and the step's
+                self._max_paged_blocks = 3
+            self.groups = PagedBlockGroups(num_physical, full[0], paged, pages)
         else:
             self.groups = BlockGroups(num_physical, self.num_kv_cache_groups)
             self.watermark_blocks //= self.groups.num_groups  # vLLM counts physical blocks
             self.cache = self._prefix_cache(self.groups.num_logical, backend_config)
-            self._window_blocks = 0
+            self._max_paged_blocks = 0
+            if self.state_groups:
+                self.checkpoints = StateCheckpoints(self.block_size, self.groups.num_logical)
         self._check_max_model_len()
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step = StepWrites(self.block_size)
@@ -324,11 +354,6 @@ class KVBackendManager(KVCacheManager):
         # request id -> (request, tokens, step end) scheduled this step, published by
         # _publish_scheduled
         self._scheduled: dict[str, tuple[Request, int, int]] = {}
-        # Mamba / linear-attention hybrids: hits end on a block holding a state checkpoint
-        self.state_groups = [g for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
-                             if isinstance(group.kv_cache_spec, MambaSpec)]
-        self.checkpoints = (StateCheckpoints(self.block_size, self.groups.num_logical)
-                            if self.state_groups else None)
         self.miss_log = (MissLog(backend_config.explain_misses, self.cache)
                          if backend_config.explain_misses else None)
         self.tier_hit_sources = None  # the tier connector's get_external_cache_hit_sources
@@ -424,13 +449,14 @@ class KVBackendManager(KVCacheManager):
             # The request's windows read from block `start` on: blocks a KV connector loads
             # before it get no sliding-window pages.
             start = self._window_start(computed)
-            num_paged = num_new - max(0, start - match.num_full_blocks)
-            if max(self._cost(num_new, num_paged),
+            paged = self._paged_at_admission(match, start, computed, total,
+                                             num_external_computed_tokens)
+            if max(self._cost(num_new, len(paged)),
                    self._cost(cdiv(needed, self.block_size) - match.num_full_blocks)) > headroom:
                 return None
             if self.miss_log is not None and request.num_preemptions <= 0:
                 self._explain_admission(request, tracked, match, num_external_computed_tokens)
-            seq = self._open_sequence(tracked, match, total, start, num_paged)
+            seq = self._open_sequence(request.request_id, tracked, match, total, start, paged)
             if seq is None:
                 return None
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
@@ -441,23 +467,24 @@ class KVBackendManager(KVCacheManager):
         else:
             self._advance_window(tracked, max(0, computed - request.num_in_flight_tokens))
             num_new = cdiv(total, self.block_size) - len(seq.block_ids)
-            cost = self._cost(num_new, num_new)
+            # every new block has sliding-window pages; only the step's last one state pages
+            num_paged = num_new if self.states is None else min(num_new, 1)
+            cost = self._cost(num_new, num_paged)
             if cost > headroom and not self._room_after_dropping_copies(cost, margin):
                 return None
             new_block_ids = allocated = self.cache.extend(
-                seq, max(total, seq.num_tokens), extra_blocks=self._pages_for(num_new))
+                seq, max(total, seq.num_tokens), extra_blocks=self._pages_for(num_paged))
             if new_block_ids is None:
                 return None
             if self.windows is not None:
                 self.windows.give(allocated, seq.extra_block_ids)
+            if self.states is not None:
+                step_end = cdiv(computed + num_new_tokens, self.block_size) - 1
+                self.states.advance(request.request_id, seq.block_ids[step_end],
+                                    seq.extra_block_ids)
             accessed, copied = (), 0
-        pages = seq.extra_block_ids  # the new blocks' sliding-window pages, if any
-        if self.kv_events is not None:
-            self.kv_events.reused(allocated + pages)
-        if self.metrics_collector is not None:
-            self._record_residency(allocated + pages, accessed)
-        if self.checkpoints is not None:
-            self.checkpoints.forget(allocated)
+        # the new blocks' pages in the other groups (sliding-window or state), if any
+        self._handed_out(allocated + seq.extra_block_ids, accessed)
         end = computed + num_new_tokens
         # loads and a partial hit's copy write in this step too
         first_written = computed - num_external_computed_tokens - copied
@@ -498,6 +525,8 @@ class KVBackendManager(KVCacheManager):
             self._publish(request, tracked, request.num_computed_tokens, force=True)
         if self.windows is not None:
             self.windows.unhold(tracked.sequence.block_ids[tracked.window_start:])
+        if self.states is not None:
+            self.states.release(request.request_id)
         retain_s = tracked.retain_s if tracked.cacheable and request.is_finished() else 0
         self.cache.release(tracked.sequence, retain_s=retain_s)
 
@@ -651,6 +680,16 @@ class KVBackendManager(KVCacheManager):
                                "this indicates a bug")
         return match
 
+    def _handed_out(self, allocated: list[int], accessed=()) -> None:
+        """Blocks handed out anew (table blocks and pages) end their previous life: KV
+        events, residency metrics, and no state checkpoint there. O(blocks)."""
+        if self.kv_events is not None:
+            self.kv_events.reused(allocated)
+        if self.metrics_collector is not None:
+            self._record_residency(allocated, accessed)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(allocated)
+
     def _record_residency(self, allocated, accessed) -> None:
         """vLLM's block residency metrics (``--kv-cache-metrics``), on logical blocks as
         vLLM's block pool records them: a block handed out ends its previous life (vLLM
@@ -722,7 +761,13 @@ class KVBackendManager(KVCacheManager):
                                   tracked.namespace, touch=False)
         shared = listed.block_ids[index] if listed.num_full_blocks > index else own
         if shared != own and not self.checkpoints.holds(shared):
-            self.checkpoints.copy_to(own, shared)
+            if self.states is None:
+                self.checkpoints.copy_to(own, shared)
+            else:  # the tree's block may have no state pages: it gets idle ones
+                pages = self.states.copy_into(own, shared)
+                if pages is None:
+                    return
+                self._handed_out(pages)
             if self.kv_events is not None:
                 self.kv_events.state_written(shared)
             self._written_this_step.add([shared])
@@ -759,7 +804,7 @@ class KVBackendManager(KVCacheManager):
             return self.empty_kv_cache_blocks
         return self.groups.as_blocks(block_ids, first_in_window)
 
-    # ------------------------------------------------------ sliding windows
+    # ------------------------------------------- pages in the other groups
     def _prefix_cache(self, num_blocks: int, config: KVBackendConfig) -> PrefixCache:
         return PrefixCache(num_blocks, self.block_size,
                            max_pinned_fraction=config.max_pinned_fraction,
@@ -767,17 +812,20 @@ class KVBackendManager(KVCacheManager):
 
     def _check_max_model_len(self) -> None:
         """Refuse a ``max_model_len`` whose request could never fit the pool alone: its
-        blocks in every group, or with ``WindowPages`` its full-attention blocks and at
-        most ``_window_blocks`` (vLLM's admission cap) in each sliding-window group."""
+        blocks in every group, or with pages in the other groups (``PagedBlockGroups``) its
+        full-attention blocks and at most ``_max_paged_blocks`` pages in each other group
+        (sliding windows: vLLM's admission cap; state groups: a hit's, a load's and the
+        step's last block)."""
         needed, usable = cdiv(self.max_model_len, self.block_size), self.cache.block_counts().usable
-        if self.windows is not None:
-            pages = self.windows.num_groups * min(needed, self._window_blocks)
+        if self.groups.num_paged_groups:
+            pages = self._pages_for(min(needed, self._max_paged_blocks))
+            kind = "sliding-window" if self.windows is not None else "state"
             if needed + pages > usable:
                 raise ValueError(
                     f"a {self.max_model_len}-token request needs {needed} blocks in the "
-                    f"full-attention group and up to {pages} in the {self.windows.num_groups} "
-                    f"sliding-window groups, the KV cache holds {usable}; lower max_model_len "
-                    "or give the KV cache more memory")
+                    f"full-attention group and up to {pages} in the "
+                    f"{self.groups.num_paged_groups} {kind} groups, the KV cache holds "
+                    f"{usable}; lower max_model_len or give the KV cache more memory")
         elif self.groups.num_groups > 1 and usable < needed:
             raise ValueError(
                 f"kvbackend keeps every KV-cache group's blocks for the whole context: a "
@@ -787,38 +835,60 @@ class KVBackendManager(KVCacheManager):
                 "cache more memory")
 
     def _pages_for(self, num_blocks: int) -> int:
-        """Sliding-window pages that ``num_blocks`` new blocks come with."""
-        return self.windows.num_groups * max(num_blocks, 0) if self.windows is not None else 0
+        """Pages in the other groups (sliding-window or state) of ``num_blocks`` blocks."""
+        return self.groups.num_paged_groups * max(num_blocks, 0)
 
-    def _cost(self, num_blocks: int, num_in_window: int | None = None) -> int:
-        """Pool blocks that ``num_blocks`` new blocks take, ``num_in_window`` of them (by
-        default: at most vLLM's admission cap) with their sliding-window pages."""
-        if num_in_window is None:
-            num_in_window = min(num_blocks, self._window_blocks)
-        return num_blocks + self._pages_for(num_in_window)
+    def _cost(self, num_blocks: int, num_paged: int | None = None) -> int:
+        """Pool blocks that ``num_blocks`` new blocks take, ``num_paged`` of them (by
+        default: at most ``_max_paged_blocks``) with their pages in the other groups."""
+        if num_paged is None:
+            num_paged = min(num_blocks, self._max_paged_blocks)
+        return num_blocks + self._pages_for(num_paged)
+
+    def _paged_at_admission(self, match: PrefixMatch, start: int, computed: int, total: int,
+                            num_external: int) -> list[int]:
+        """The indices of an admitted request's new blocks that get pages in the other
+        groups: with sliding windows those from its window ``start`` on; with state
+        groups the last block of a tier load (its checkpoint) and of the step."""
+        num_blocks = cdiv(total, self.block_size)
+        if self.states is not None:
+            last = num_blocks - 1
+            return sorted({computed // self.block_size - 1, last}) if num_external else [last]
+        if self.windows is not None:
+            return list(range(max(start, match.num_full_blocks), num_blocks))
+        return []
 
     def _window_start(self, num_tokens: int) -> int:
         return self.windows.window_start(num_tokens) if self.windows is not None else 0
 
-    def _open_sequence(self, tracked: _TrackedRequest, match: PrefixMatch, total: int,
-                       start: int, num_paged: int) -> Sequence | None:
-        """``PrefixCache.open_sequence``, the last ``num_paged`` new blocks (those from
-        the request's window ``start`` on) with their sliding-window pages: the hit's
-        blocks from ``start`` on are held before the pool hands out blocks (so it cannot
-        reclaim them), and a partial hit's source until its copy ran."""
-        windows = self.windows
+    def _open_sequence(self, request_id: str, tracked: _TrackedRequest, match: PrefixMatch,
+                       total: int, start: int, paged: list[int]) -> Sequence | None:
+        """``PrefixCache.open_sequence``, the new blocks at indices ``paged`` with their
+        pages in the other groups. Held before the pool hands out blocks (so it cannot
+        reclaim them): with sliding windows the hit's blocks from ``start`` on, and a
+        partial hit's source until its copy ran; with state groups the hit's last block,
+        whose checkpoint the request resumes from."""
+        windows, states = self.windows, self.states
         source = [match.block_ids[-1]] if match.num_partial_tokens else []
-        held = list(match.block_ids[start: match.num_full_blocks]) + source
         if windows is not None:
+            held = list(match.block_ids[start: match.num_full_blocks]) + source
             windows.hold(held)
-        seq = self.cache.open_sequence(match, total, extra_blocks=self._pages_for(num_paged))
+        if states is not None:
+            states.hold(request_id, match.block_ids[match.num_full_blocks - 1:
+                                                    match.num_full_blocks])
+        seq = self.cache.open_sequence(match, total, extra_blocks=self._pages_for(len(paged)))
         if seq is None:
             if windows is not None:
                 windows.unhold(held)
+            if states is not None:
+                states.release(request_id)
             return None
+        blocks = [seq.block_ids[i] for i in paged]
         if windows is not None:
-            windows.give(seq.block_ids[len(seq.block_ids) - num_paged:], seq.extra_block_ids)
+            windows.give(blocks, seq.extra_block_ids)
             self._copy_sources += source
+        if states is not None:
+            states.give(request_id, blocks, seq.extra_block_ids)
         tracked.sequence, tracked.match, tracked.window_start = seq, None, start
         return seq
 
@@ -845,15 +915,22 @@ class KVBackendManager(KVCacheManager):
             if self.kv_events is not None:
                 self.kv_events.adopted(old, new)
 
+    def _state_removed(self, block_id: int) -> None:
+        """``block_id`` holds no state checkpoint any more (``StatePages``)."""
+        if self.kv_events is not None:
+            self.kv_events.state_removed(block_id)
+
     def _window_dropped(self, block_id: int) -> None:
         """``WindowPages`` freed ``block_id``'s idle sliding-window pages."""
         if self.kv_events is not None:
             self.kv_events.window_removed(block_id)
 
 
-def _attention_groups(config: KVCacheConfig) -> tuple[list[int], list[int]]:
+def _attention_groups(config: KVCacheConfig, state_groups: list[int]
+                      ) -> tuple[list[int], list[int]]:
     """The full-attention and the sliding-window groups, or none of either when another
-    kind of group (state, chunked local attention, ...) is present."""
+    kind of group than those and ``state_groups`` (chunked local attention, ...) is
+    present."""
     full: list[int] = []
     windowed: list[int] = []
     for g, group in enumerate(config.kv_cache_groups):
@@ -862,6 +939,6 @@ def _attention_groups(config: KVCacheConfig) -> tuple[list[int], list[int]]:
             windowed.append(g)
         elif isinstance(spec, FullAttentionSpec):
             full.append(g)
-        else:
+        elif g not in state_groups:
             return [], []
     return full, windowed

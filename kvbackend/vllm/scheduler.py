@@ -148,7 +148,7 @@ class KVBackendScheduler(Scheduler):
             watermark=self.scheduler_config.watermark,
             backend_config=backend_config,
             # another connector reads whole block tables: every group keeps every block
-            free_windows=all(map(is_tier_connector, child_configs(
+            free_group_pages=all(map(is_tier_connector, child_configs(
                 self.vllm_config.kv_transfer_config))),
             kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo, self.block_size,
                                   event_groups(self.kv_cache_config))

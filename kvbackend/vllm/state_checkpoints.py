@@ -74,6 +74,18 @@ class StateCheckpoints:
         self._copies_next = [c for c in self._copies_next if c[1] not in gone]
         self._copies_due = [c for c in self._copies_due if c[1] not in gone]
 
+    def drop(self, block_id: int) -> list[int]:
+        """``block_id``'s state page is gone (its pages were freed: ``StatePages``): it is no
+        checkpoint, and no pending copy reads or writes it. Returns the destinations of
+        the copies that would have read it, no longer checkpoints either."""
+        self._blocks.discard(block_id)
+        lost = []
+        for copies in (self._copies_next, self._copies_due):
+            lost += [dst for src, dst in copies if src == block_id]
+            copies[:] = [c for c in copies if block_id not in c]
+        self._blocks.difference_update(lost)
+        return lost
+
     def clear(self) -> None:
         self._blocks.clear()
         self._copies_next.clear()

@@ -29,9 +29,10 @@ With ``state_layers`` the model also has a Mamba-style state group in vLLM's "al
 mode, and the worker keeps its state blocks as ``preprocess_mamba`` does: before the
 forward pass a request's state moves from the block of its previous step's last token
 to the block of this step's last token, which the step then updates. A state block
-holds the id of the prefix its state summarizes; a request resuming at position p must
-find the state of its own first p tokens there, so a hit on a block no step ended on,
-or one written in that same step, fails at once.
+holds the id of the prefix its state summarizes (forgotten once a step writes KV into
+the block: the pool hands a block to either group); a request resuming at position p
+must find the state of its own first p tokens there, so a hit on a block no step ended
+on, one written in that same step, or a state page handed out again fails at once.
 
 With ``window`` the model also has a sliding-window group: every token's KV is written
 in both groups' blocks, and a step's queries from position ``start`` on read the window
@@ -237,6 +238,8 @@ class ContentWorker:
                     slot = (blocks[p // bs], p % bs)
                     assert slot[0] != 0 and written.setdefault(slot, request_id) == request_id, (
                         f"step writes slot {slot} for {written[slot]} and {request_id}")
+                    if self.states is not None:  # a state page is a pool block too
+                        self.states.pop(slot[0], None)
                     self.kv[:, slot[0], :, slot[1]] = (self.prefix_id(request_id, p)
                                                        if p < valid else GARBAGE)
         poisoned = set()
@@ -285,20 +288,26 @@ class ContentWorker:
         return computed
 
     def _advance_states(self, out: SchedulerOutput, starts: dict[str, int]) -> None:
-        """The state group's step: every request's copy (checked), then every update."""
-        bs, updates = self.block_size, []
+        """The state group's step: every request's copy (checked), then every update. The
+        copies run in parallel on a GPU (one fused kernel), so none may write a block
+        another one reads."""
+        bs, copies, updates = self.block_size, {}, []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             table, start = self.requests[request_id].second, starts[request_id]
             previous = self.state_index.get(request_id, (start - 1) // bs)
             current = (start + num_tokens + bs - 1) // bs - 1
             self.state_index[request_id] = current
+            assert table[current] != 0, f"{request_id}'s state block {current} is the null block"
             if start:
                 held = self.states.get(table[previous], 0)
                 assert held == self.prefix_id(request_id, start - 1), (
                     f"{request_id} resumes at {start} from state block {table[previous]}, "
                     "which holds the state of another prefix or none")
-                self.states[table[current]] = held
+                if previous != current:
+                    copies[table[previous]] = table[current]
             updates.append((table[current], self.prefix_id(request_id, start + num_tokens - 1)))
+        assert not copies.keys() & set(copies.values()), (
+            f"a step's state copies write blocks others read: {copies}")
         self.states.update(updates)
 
 

@@ -146,6 +146,7 @@ def test_kvbackend_state_checkpoints_stateful(state_config):
             manager = self.harness.scheduler.kv_cache_manager
             manager.cache.check_invariants()
             manager.checkpoints.check_invariants()
+            manager.states.check_invariants()  # state pages only where a reader needs them
             events = manager.kv_events
             events.check_invariants()  # a state page is announced iff its block holds one
             assert events.state_announced == {

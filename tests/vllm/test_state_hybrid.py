@@ -173,15 +173,16 @@ def test_no_hit_on_a_block_no_step_ended_on(qwen3_next, tmp_path):
 
 
 def test_memory_pressure_keeps_outputs_exact(qwen3_next, kvb, ref):
-    """A pool of 16 blocks per group for six 4-block requests (19 distinct blocks):
-    checkpointed blocks are evicted and handed out again while others share them."""
+    """A pool of 20 pages for six 4-block requests (19 distinct blocks, plus the state
+    pages of their checkpoints and running steps): checkpointed blocks and their state
+    pages are evicted and handed out again while others share them."""
     page = KV_BYTES // kvb.llm_engine.vllm_config.cache_config.num_gpu_blocks
     rng = random.Random(17)
     shared = tokens(rng, 300)
     prompts = [shared + tokens(rng, 700 + 11 * i) for i in range(6)]
     want = _one_by_one(ref, prompts)
     llm = next(_engine(qwen3_next, "kvbackend", max_num_batched_tokens=STATE_BLOCK,
-                       max_model_len=1536, kv_cache_memory_bytes=32 * page))
+                       max_model_len=1536, kv_cache_memory_bytes=20 * page))
     try:
         for _ in range(2):  # the second round runs on whatever the first left cached
             got = generate(llm, prompts, GREEDY)

@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
-from kvbackend.vllm.block_groups import WindowedBlockGroups
+from kvbackend.vllm.block_groups import PagedBlockGroups
 from tests.vllm.async_harness import AsyncHarness, async_config, tier_gb
 from tests.vllm.test_async_scheduling import HarnessMachine, TieredMachine, with_tiers
 
@@ -56,7 +56,7 @@ def test_a_request_longer_than_every_groups_blocks_runs_in_a_window(config, mode
     it left stay cached (idle) until the pool needs them."""
     harness = harness_for(config, mode)
     manager = harness.scheduler.kv_cache_manager
-    assert isinstance(manager.groups, WindowedBlockGroups)
+    assert isinstance(manager.groups, PagedBlockGroups)
     harness.add("long", list(range(1, 33)), max_tokens=12)
     peak = 0
     while harness.scheduler.has_unfinished_requests() or harness.in_flight:
@@ -177,7 +177,7 @@ def test_a_tier_hit_loads_its_window_in_every_group_and_the_rest_in_full_attenti
     harness = AsyncHarness(tiered(config, mode), num_blocks=NUM_BLOCKS, window=WINDOW, tiers={
         "host_cache_gb": tier_gb(config, 2 * 12), "disk_cache_dir": str(tmp_path)})
     manager = harness.scheduler.kv_cache_manager
-    assert isinstance(manager.groups, WindowedBlockGroups)
+    assert isinstance(manager.groups, PagedBlockGroups)
     a = list(range(1, 45))
     harness.add("a", a, max_tokens=1)
     harness.run_to_end()

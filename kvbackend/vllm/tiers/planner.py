@@ -572,16 +572,16 @@ class TierPlanner:
         disk_on, remote_on = self.disk_contains is not None, self.remote_contains is not None
         for i in range(st.num_checked, num_full):
             physical = request.physical[i] if request.physical else ()
-            if 0 in physical:  # a sliding-window group no longer holds it: not whole
-                continue
+            if any(b == 0 for g, b in enumerate(physical) if g not in self.state_groups):
+                continue  # a sliding-window group no longer holds it: not whole
             to_host = self._host_insert(keys[i])
             to_disk = disk_on and i >= st.disk_from
             to_remote = remote_on and i >= st.disk_from
             if to_host or to_disk or to_remote:
                 saves.append(SaveOrder(request.request_id, request.block_ids[i], keys[i],
                                        to_host, to_disk, to_remote, physical))
-            if i in st.state_ends:  # and a copy whose state pages a hit resumes from
-                st.state_ends.discard(i)
+            if i in st.state_ends and 0 not in physical:  # and a copy whose state pages a
+                st.state_ends.discard(i)  # hit resumes from (its step holds them)
                 key = checkpoint_key(keys[i])
                 saves.append(SaveOrder(request.request_id, request.block_ids[i], key,
                                        self._host_insert(key, checkpoint=True), to_disk,
