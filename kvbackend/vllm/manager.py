@@ -237,12 +237,13 @@ when vLLM adds a public member that this table does not name):
                                                    writes the explain_misses record
     make_prefix_cache_stats            inherited   drains prefix_cache_stats
     get_num_common_prefix_blocks       inherited   deprecated, zeros
-    take_new_block_ids                 inherited   vLLM zeroes new attention blocks of
-                                                   Mamba / mixed-precision models, since
-                                                   its blocks change group and may hold
-                                                   another group's bytes; kvbackend's
-                                                   never change group: []
-    record_blocks_for_zeroing          inherited   same: no group records ids
+    take_new_block_ids                 overridden  new attention blocks of Mamba / mixed-
+                                                   precision models whose pool blocks
+                                                   change group (``PagedBlockGroups``),
+                                                   for the workers to zero; else []
+    record_blocks_for_zeroing          inherited   re-zeroes blocks a failed load left
+                                                   unwritten: kvbackend's were zeroed at
+                                                   allocation, before the load ran
     take_boundary_state_offloads       inherited   Mamba "align" states for a connector:
                                                    {} (refused together)
     take_events                        overridden  kvbackend's device and tier block
@@ -348,6 +349,11 @@ class KVBackendManager(KVCacheManager):
             if self.state_groups:
                 self.checkpoints = StateCheckpoints(self.block_size, self.groups.num_logical)
         self._check_max_model_len()
+        # A pool block may serve another group than before: vLLM's workers zero the new
+        # attention blocks of such models (stale state bytes may read as NaN)
+        self._zero_new_blocks = bool(self.groups.num_paged_groups
+                                     and self.kv_cache_config.needs_kv_cache_zeroing)
+        self._blocks_to_zero: list[int] = []
         self._requests: dict[str, _TrackedRequest] = {}
         self._written_this_step = StepWrites(self.block_size)
         self._copy_sources: list[int] = []  # partial hits' sources, their window pages held
@@ -485,6 +491,9 @@ class KVBackendManager(KVCacheManager):
             accessed, copied = (), 0
         # the new blocks' pages in the other groups (sliding-window or state), if any
         self._handed_out(allocated + seq.extra_block_ids, accessed)
+        if self._zero_new_blocks:  # attention blocks: the table's, and sliding-window pages
+            self._blocks_to_zero += allocated + (seq.extra_block_ids if self.states is None
+                                                 else [])
         end = computed + num_new_tokens
         # loads and a partial hit's copy write in this step too
         first_written = computed - num_external_computed_tokens - copied
@@ -621,6 +630,15 @@ class KVBackendManager(KVCacheManager):
             copies += [KVCacheBlockCopy(physical(src, g), physical(dst, g))
                        for src, dst in self.checkpoints.take_copies() for g in self.state_groups]
         return copies, []
+
+    def take_new_block_ids(self) -> list[int]:
+        """The attention blocks handed out since the last call, for the workers to zero
+        before they are written: with pages in other groups (``PagedBlockGroups``) a pool
+        block may have held a state page, whose bytes may read as NaN in attention
+        (``needs_kv_cache_zeroing``; vLLM zeroes its new attention blocks likewise).
+        O(blocks)."""
+        ids, self._blocks_to_zero = self._blocks_to_zero, []
+        return ids
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` for the

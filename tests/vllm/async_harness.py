@@ -73,6 +73,7 @@ MAX_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling (no PP)
 VOCAB = 50
 POISON = VOCAB  # sampled from KV that failed to load: never a token the model samples
 GARBAGE = -1  # the KV of a rejected draft token: no prefix's
+STATE_BYTES = -2  # a state page's bytes, which attention may read as NaN
 NUM_KV_HEADS, HEAD_SIZE = 1, 8  # the synthetic KV cache: one layer "attn"
 
 
@@ -209,6 +210,11 @@ class ContentWorker:
             # (the scheduler may go back: a failed load is recomputed)
             starts[request_id] = scheduled if valid is None else min(scheduled, valid)
         bs = self.block_size
+        if out.new_block_ids_to_zero:  # as vLLM's model runner, before anything else
+            self.kv[:, out.new_block_ids_to_zero] = 0
+            if self.states is not None:
+                for block_id in out.new_block_ids_to_zero:
+                    self.states.pop(block_id, None)
         copies = out.kv_cache_block_copies or ()
         if copies:  # all at once, as vLLM's copy_kv_cache_blocks_inplace: every source is
             # read before any destination is written, so a copy never reads another's
@@ -242,6 +248,12 @@ class ContentWorker:
                         self.states.pop(slot[0], None)
                     self.kv[:, slot[0], :, slot[1]] = (self.prefix_id(request_id, p)
                                                        if p < valid else GARBAGE)
+        for request_id in out.num_scheduled_tokens:  # attention reads whole blocks, masked
+            for blocks in self._attention_tables(request_id):
+                stale = [b for b in blocks if b and bool((self.kv[0, b, 0, :, 0]
+                                                          == STATE_BYTES).any())]
+                assert not stale, (f"{request_id} reads attention blocks {stale} that hold a "
+                                   "state page's bytes: new attention blocks must be zeroed")
         poisoned = set()
         for request_id in out.num_scheduled_tokens:
             for blocks, first in zip(self._attention_tables(request_id),
@@ -309,6 +321,8 @@ class ContentWorker:
         assert not copies.keys() & set(copies.values()), (
             f"a step's state copies write blocks others read: {copies}")
         self.states.update(updates)
+        for block_id, _ in updates:  # the page's bytes are a state's now
+            self.kv[:, block_id] = STATE_BYTES
 
 
 def tier_gb(vllm_config, num_blocks: int) -> float:
