@@ -485,8 +485,8 @@ class KVBackendManager(KVCacheManager):
             if self.windows is not None:
                 self.windows.give(allocated, seq.extra_block_ids)
             if self.states is not None:
-                step_end = cdiv(computed + num_new_tokens, self.block_size) - 1
-                self.states.advance(request.request_id, seq.block_ids[step_end],
+                step_end = cdiv(min(computed + num_new_tokens, total), self.block_size)
+                self.states.advance(request.request_id, seq.block_ids[step_end - 1],
                                     seq.extra_block_ids)
             accessed, copied = (), 0
         # the new blocks' pages in the other groups (sliding-window or state), if any

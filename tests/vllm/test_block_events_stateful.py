@@ -116,7 +116,8 @@ TestBlockEvents = BlockEventsMachine.TestCase
 class HybridBlockEventsMachine(BlockEventsMachine):
     """As above with a hybrid's two groups, attention (0) and state (1): a device
     block's state page is announced in group 1 exactly while it holds a checkpoint
-    (written since the block was last handed out or cleared) and is announced."""
+    (written since the block was last handed out, cleared or lost its state pages) and
+    is announced."""
 
     groups = (EventGroup("full_attention"), EventGroup("mamba", holds_state=True))
 
@@ -128,6 +129,12 @@ class HybridBlockEventsMachine(BlockEventsMachine):
     def state_checkpoint(self, block: int) -> None:
         self.events.state_written(block)
         self.checkpoints.add(block)
+
+    @rule(block=blocks)
+    def state_pages_freed(self, block: int) -> None:
+        """The block's state pages went back (``StatePages``); it stays cached."""
+        self.events.state_removed(block)
+        self.checkpoints.discard(block)
 
     @rule(block=blocks)
     def device_reuse(self, block: int) -> None:
