@@ -10,7 +10,8 @@ into consecutive ``LostSpan``s, each with one reason:
                      store whole blocks) could not supply
     no_state_checkpoint  the device tree holds these whole blocks, but a recurrent
                      state (Mamba / linear-attention hybrids) resumes only from a
-                     block that a step ended on, and none of them is one
+                     block that a step ended on, and none of them is one (or still
+                     has the state pages it had then)
     evicted          published to the device tree once, gone since (``SeenPrefixes``)
     other_namespace  another namespace (cache salt / LoRA adapter) holds them, at
                      least a block's worth (a shared first token, e.g. BOS, is no news)
