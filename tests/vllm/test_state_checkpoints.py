@@ -23,17 +23,20 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # physical: 12 logical blocks, one per group each
 
 
-@given(ops=st.lists(st.tuples(st.sampled_from(["end", "forget"]),
+@given(ops=st.lists(st.tuples(st.sampled_from(["end", "forget", "drop"]),
                               st.lists(st.integers(1, 9), min_size=1, max_size=5),
                               st.integers(0, 24)), max_size=30))
 def test_checkpoints_follow_step_ends_and_forget_reallocated_blocks(ops):
     """A block is a checkpoint iff the last step that ended on its last token came after
-    it was last handed out; a hit ends on the longest one."""
+    it was last handed out and lost its state pages; a hit ends on the longest one."""
     checkpoints, model = StateCheckpoints(BLOCK_SIZE, 10), set()
     for op, table, end in ops:
         if op == "forget":
             checkpoints.forget(table)
             model -= set(table)
+        elif op == "drop":  # its state pages went back
+            assert checkpoints.drop(table[0]) == []  # no copy pending
+            model.discard(table[0])
         elif end and end % BLOCK_SIZE == 0 and end <= len(table) * BLOCK_SIZE:
             checkpoints.add(table[end // BLOCK_SIZE - 1])
             model.add(table[end // BLOCK_SIZE - 1])
