@@ -55,6 +55,29 @@ def test_only_a_block_a_step_ended_on_is_saved_as_a_checkpoint():
         (checkpoint_key(keys[1]), 2, (2, 102), True), (keys[2], 3, (3, 103), False)]
 
 
+def test_a_block_without_state_pages_still_gets_its_ordinary_copy():
+    """kvbackend's manager lists the null block (0) in the state group wherever a block
+    has no state page (``PagedBlockGroups``): here every block but 1 (a step ended on
+    it) and 3 (where the last step ends). Their ordinary copies hold attention pages
+    only, so all three whole blocks are saved; the checkpoint copy of block 1 takes its
+    state page."""
+    planner = _planner()
+    assert planner.lookup("a", PROMPT, b"", 0) == 0
+    ids = [1, 2, 3, 4]
+    physical = [(b if i in (1, 3) else 0, 100 + b) for i, b in enumerate(ids)]
+    planner.allocated("a", ids, 0, physical)
+    saves = []
+    for start, end in ((0, 2 * BS), (2 * BS, 3 * BS + 1)):
+        saves += planner.plan_step([ScheduledRequest("a", start, end - start, ids,
+                                                     physical)]).saves
+        planner.step_finished(())
+    planner.check_invariants()
+    keys = compute_block_keys(PROMPT, BS, DIGEST)
+    assert [(o.key, o.block_id, o.physical, o.checkpoint) for o in saves] == [
+        (keys[0], 1, (0, 101), False), (keys[1], 2, (2, 102), False),
+        (checkpoint_key(keys[1]), 2, (2, 102), True), (keys[2], 3, (0, 103), False)]
+
+
 def test_a_hit_ends_on_its_last_checkpoint_and_loads_only_that_blocks_state():
     """A second request shares all three whole blocks, but only block 1 holds a state:
     the hit is two blocks; block 0 loads its attention page only (its state page stays
