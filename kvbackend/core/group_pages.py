@@ -35,15 +35,14 @@ class GroupPages:
     """Each logical block's pages in ``num_groups`` further groups, with their holds.
     O(1) per block and page."""
 
-    kind = "group"  # what the pages are, in error messages
-
     def __init__(self, cache: PrefixCache, num_groups: int,
                  on_dropped: Callable[[int], None] | None = None,
                  keep_idle: Callable[[int], bool] | None = None,
-                 on_freed: Callable[[int], None] | None = None) -> None:
+                 on_freed: Callable[[int], None] | None = None, kind: str = "group") -> None:
         if num_groups < 1:
             raise ValueError(f"need >= 1 group of pages, got {num_groups}")
         self.cache, self.num_groups = cache, num_groups
+        self.kind = kind  # what the pages are, in error messages
         self.on_dropped = on_dropped  # told of each block whose idle pages were reclaimed
         self.on_freed = on_freed  # told of each block whose pages went back, for any reason
         self.keep_idle = keep_idle

@@ -25,13 +25,11 @@ class WindowPages(GroupPages):
     """Each logical block's pages in the sliding-window groups, with their holds.
     ``longest_hit`` O(blocks of the match); the rest as ``GroupPages``."""
 
-    kind = "sliding-window"
-
     def __init__(self, cache: PrefixCache, num_groups: int, window: int,
                  on_dropped: Callable[[int], None] | None = None) -> None:
         if window < 1:
             raise ValueError(f"a sliding window spans >= 1 token, got {window}")
-        super().__init__(cache, num_groups, on_dropped)
+        super().__init__(cache, num_groups, on_dropped, kind="sliding-window")
         self.window, self.block_size = window, cache.block_size
 
     def window_start(self, num_tokens: int) -> int:

@@ -22,13 +22,11 @@ destination it would have filled is no checkpoint either, and gives its idle pag
 back). So every recorded checkpoint of a block in the pool has its pages.
 
 Invariants (``check_invariants``): ``GroupPages``'s; every block a request holds
-has pages and is held at least as often as requests list it; every recorded
-checkpoint has pages or is free in the pool.
+has pages and is held; every recorded checkpoint has pages or is free in the pool.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvbackend.core.group_pages import GroupPages
@@ -45,13 +43,9 @@ class StatePages:
         self.cache, self.checkpoints = cache, checkpoints
         self.on_removed = on_removed  # told of each block that stopped holding a state
         self.pages = GroupPages(cache, num_groups, keep_idle=checkpoints.holds,
-                                on_freed=self._freed)
-        self.pages.kind = "state"
+                                on_freed=self._freed, kind="state")
         self.num_groups = num_groups
         self._held: dict[str, list[int]] = {}  # request -> blocks it holds, oldest first
-
-    def num_pages(self, num_blocks: int) -> int:
-        return self.num_groups * max(num_blocks, 0)
 
     def hold(self, request_id: str, block_ids: Sequence[int]) -> None:
         """``request_id`` holds blocks that have pages (a hit's last block)."""
@@ -116,7 +110,7 @@ class StatePages:
     def check_invariants(self) -> None:
         """Raise RuntimeError naming the first broken invariant. O(blocks with pages)."""
         self.pages.check_invariants()
-        listed = Counter(b for blocks in self._held.values() for b in blocks)
+        listed = {b for blocks in self._held.values() for b in blocks}
         if any(not self.pages.has_pages(b) for b in listed):
             raise RuntimeError("a request holds a block without state pages")
         if any(not self.pages.is_held(b) for b in listed):
