@@ -44,7 +44,6 @@ class StatePages:
         self.on_removed = on_removed  # told of each block that stopped holding a state
         self.pages = GroupPages(cache, num_groups, keep_idle=checkpoints.holds,
                                 on_freed=self._freed, kind="state")
-        self.num_groups = num_groups
         self._held: dict[str, list[int]] = {}  # request -> blocks it holds, oldest first
 
     def hold(self, request_id: str, block_ids: Sequence[int]) -> None:
@@ -85,7 +84,7 @@ class StatePages:
         ``dst`` itself. O(num_groups + evictions)."""
         pages: list[int] = []
         if not self.pages.has_pages(dst):
-            pages = self.cache.allocate_blocks(self.num_groups)
+            pages = self.cache.allocate_blocks(self.pages.num_groups)
             if pages is None:
                 return None
             if dst in pages or not self.cache.pool.ref_cnt[dst]:  # evicted to make room
