@@ -21,6 +21,8 @@ adapter and cache salt are in the block keys, ``kvbackend.vllm.namespace``):
     (vLLM's ``KVCacheLayout``, which replaced the backends' stride orders) and the
     attention backend that writes it (a state layer's state shapes, dtypes and kind
     are its spec's fields);
+  * a speculative drafter that writes its KV into the same blocks (a draft model,
+    EAGLE / MTP heads): its method, weights, effective config and dtype;
   * vLLM's version, the device type, the tensor-parallel rank and size.
 
 Left out on purpose, since they do not change the bytes: ``max_model_len``, seeds,
@@ -43,20 +45,29 @@ from typing import TYPE_CHECKING, Any
 from kvbackend.store import CacheIdentity, model_fingerprint
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 
-def resolve_model_dir(vllm_config: VllmConfig) -> str | None:
-    model = vllm_config.model_config.model
+def resolve_model_dir(model_config: ModelConfig) -> str | None:
+    """The local directory of ``model_config``'s files (a path, or the hub cache's
+    snapshot; nothing is downloaded), or None."""
+    model = model_config.model
     if os.path.isdir(model):
         return model
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, revision=vllm_config.model_config.revision,
-                                 local_files_only=True)
+        return snapshot_download(model, revision=model_config.revision, local_files_only=True)
     except Exception:  # noqa: BLE001 - any failure means "cannot fingerprint"
         return None
+
+
+def _weights_fingerprint(model_config: ModelConfig) -> str:
+    model_dir = resolve_model_dir(model_config)
+    if model_dir is None:
+        raise ValueError(f"cannot find the files of model {model_config.model!r} "
+                         "to fingerprint its weights")
+    return model_fingerprint(model_dir)
 
 
 def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -68,10 +79,6 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    model_dir = resolve_model_dir(vllm_config)
-    if model_dir is None:
-        raise ValueError(f"cannot find the files of model {vllm_config.model_config.model!r} "
-                         "to fingerprint its weights")
     groups = kv_cache_config.kv_cache_groups
     # the first group of token KV (a state group's dtypes are in its spec's fields)
     spec = next((g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, AttentionSpec)),
@@ -97,8 +104,11 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         "model_class_overrides": model.model_class_overrides,
         "kv_cache_dtype_skip_layers": cache.kv_cache_dtype_skip_layers,
     }
+    drafter = _drafter(vllm_config)
+    if drafter is not None:  # only then: the digests of other configurations stay as they were
+        extra["drafter"] = drafter
     return CacheIdentity(
-        model_fingerprint=model_fingerprint(model_dir),
+        model_fingerprint=_weights_fingerprint(model),
         kv_dtype=f"{spec.dtype}/{cache.cache_dtype}",
         block_size=spec.block_size,
         kv_layout=layout,
@@ -106,6 +116,24 @@ def tier_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=tuple((name, _canonical(value)) for name, value in extra.items()),
     )
+
+
+def _drafter(vllm_config: VllmConfig) -> dict | None:
+    """A speculative drafter that writes KV into the same blocks (a draft model, EAGLE /
+    MTP heads): its method, weights, effective config and dtype, and for multi-module MTP
+    how many modules write KV (the rest leave their layers unwritten); None for drafters
+    without KV (n-gram, suffix, Medusa, MLP speculators)."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.uses_draft_kv_cache():
+        return None
+    draft = spec.draft_model_config
+    modules = None
+    if spec.use_multi_module_mtp():
+        modules = min(getattr(draft.hf_config, "num_nextn_predict_layers", 1),
+                      spec.num_speculative_tokens)
+    return {"method": spec.method, "weights": _weights_fingerprint(draft),
+            "hf_config": _digest(_effective_hf_config(draft.hf_config)),
+            "dtype": draft.dtype, "modules_writing_kv": modules}
 
 
 def block_nbytes(kv_cache_config: KVCacheConfig) -> int:

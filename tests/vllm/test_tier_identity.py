@@ -19,6 +19,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
+from kvbackend.testing.tiny_model import build_tiny_llama
 from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
 from tests.vllm.conftest import BLOCK_SIZE
 
@@ -124,3 +125,29 @@ def test_the_kv_cache_groups_are_part_of_the_identity(tiny_model, base_digest):
     digests = [tier_identity(config, c, tp_rank=0).digest() for c in layouts]
     assert digests[0] == base_digest and len(set(digests)) == len(layouts)
     assert len({block_nbytes(c) for c in layouts}) == 1
+
+
+def test_a_drafter_that_writes_kv_is_part_of_the_identity(tiny_model, tmp_path, base_digest):
+    """A draft model's layers (and EAGLE / MTP heads) write KV into the same blocks as the
+    target's: blocks written with one drafter are never read with another, although
+    both have the same architecture (same layout). A drafter without KV (n-gram) keeps
+    the digest, and a copy of the drafter elsewhere reads the same blocks."""
+    drafts = [build_tiny_llama(str(tmp_path / f"draft-{seed}"), seed=seed) for seed in (1, 2)]
+
+    def with_drafter(spec: dict) -> str:
+        return digest(tiny_model, {"speculative_config": spec})
+
+    def draft_model(path: str) -> str:
+        return with_drafter({"method": "draft_model", "model": path,
+                             "num_speculative_tokens": 3})
+
+    first, second = draft_model(drafts[0]), draft_model(drafts[1])
+    assert len({base_digest, first, second}) == 3
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in os.listdir(drafts[0]):
+        if os.path.isfile(os.path.join(drafts[0], name)):
+            os.link(os.path.join(drafts[0], name), copy / name)
+    assert draft_model(str(copy)) == first
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    assert with_drafter(ngram) == base_digest
