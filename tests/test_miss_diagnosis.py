@@ -10,8 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvbackend.core import PrefixCache
 from kvbackend.core.miss_diagnosis import (
-    BLOCK_ALIGNMENT, DIVERGED, EVICTED, FINAL_TOKEN, NEVER_SEEN, NO_STATE_CHECKPOINT,
-    OTHER_NAMESPACE, REASONS, Admission, diagnose,
+    BLOCK_ALIGNMENT, DIVERGED, DRAFT_LOOKAHEAD, EVICTED, FINAL_TOKEN, NEVER_SEEN,
+    NO_STATE_CHECKPOINT, OTHER_NAMESPACE, REASONS, Admission, diagnose,
 )
 from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 
@@ -99,18 +99,22 @@ class DiagnosisMachine(RuleBasedStateMachine):
         self.cache.evict(num_blocks)
 
     @rule(prompt=PROMPTS, namespace=NAMESPACES, cut=st.integers(0, 5), tier=st.integers(0, 3),
-          same_step=st.booleans(), state=st.booleans())
-    def explain(self, prompt, namespace, cut, tier, same_step, state):
-        """``state``: a hybrid's admission (whole blocks, no tiers, no same-step cut)."""
+          same_step=st.booleans(), state=st.booleans(), lookahead=st.integers(0, 2))
+    def explain(self, prompt, namespace, cut, tier, same_step, state, lookahead):
+        """``state``: a hybrid's admission (whole blocks, no tiers, no same-step cut);
+        ``lookahead``: an EAGLE / MTP drafter's, whose hit ends that many tokens before
+        the tree's match of the request's tokens (none with ``state``)."""
         tokens = np.asarray(prompt, dtype=np.int64)
         tree, n = self.cache.tree, len(tokens)
+        lookahead = 0 if state else lookahead
         longest, _ = tree.lookup(tokens[: n - 1], namespace, touch=False)
-        device = max(0, longest - cut)
+        extended, _ = tree.lookup(tokens[: n - 1 + lookahead], namespace, touch=False)
+        device = max(0, min(longest, extended - lookahead) - cut)
         tier_hit = min(tier * BS, n - 1 - device) if device % BS == 0 else 0
         if state:
             device, tier_hit, same_step = device - device % BS, 0, False
         admission = Admission(n - 1, device, tier_hit, same_step_cut=same_step,
-                              state_checkpoints=state)
+                              state_checkpoints=state, draft_lookahead=lookahead)
         spans = diagnose(tree, self.seen, PrefixDigests(namespace, BS), tokens, namespace,
                          admission)
         pos = device + tier_hit
@@ -119,6 +123,9 @@ class DiagnosisMachine(RuleBasedStateMachine):
             pos = span.end
             if span.reason == FINAL_TOKEN:
                 assert span.end == n
+            if span.reason == DRAFT_LOOKAHEAD:  # the tree's last tokens, nothing after
+                assert lookahead and span.end == longest
+                assert span.start >= extended - lookahead
             if span.reason == NO_STATE_CHECKPOINT:  # whole blocks the tree holds
                 assert state and span.end % BS == 0 and span.end <= longest
             if state and span.reason == BLOCK_ALIGNMENT:  # only the partial block after

@@ -189,3 +189,24 @@ def test_a_block_a_sliding_window_group_no_longer_holds_is_never_saved():
     assert [(o.block_id, o.blocks) for o in orders.saves] == [(7, (7, 17))]
     assert len(planner.host.keys()) == 1
     planner.check_invariants()
+
+
+def test_with_an_eagle_drafter_a_tier_hit_leaves_its_last_block_to_recompute():
+    """An EAGLE / MTP drafter's KV at a block's last token read its writer's next token,
+    which no block key vouches for: a tier hit ends one block earlier (vLLM drops a hit's
+    last block likewise), so that block's drafter KV is recomputed with the request's own
+    next token."""
+    doc = list(range(3, 3 + 3 * BS + 1))
+    for draft_lookahead, hit_blocks in ((0, 3), (1, 2)):
+        cache = torch.zeros(8, ROW, dtype=torch.uint8)
+        worker = TierWorker(BlockMover([cache], 0, ROW, BS, HostTier(8 * ROW), None))
+        planner = TierPlanner(BS, DIGEST, 8, None, draft_lookahead=draft_lookahead)
+        assert planner.lookup("w", doc, b"", 0) == 0
+        planner.allocated("w", [0, 1, 2, 3], 0)
+        orders = planner.plan_step([ScheduledRequest("w", 0, len(doc), [0, 1, 2, 3])])
+        worker.start_step(orders)
+        worker.finish_step(orders)
+        planner.step_finished(worker.take_load_errors())
+        planner.request_finished("w")
+        assert planner.lookup("r", doc + [99] * BS, b"", 0) == hit_blocks * BS
+        planner.check_invariants()

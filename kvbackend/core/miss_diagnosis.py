@@ -8,6 +8,9 @@ into consecutive ``LostSpan``s, each with one reason:
     block_alignment  the device tree holds them, but the engine took whole blocks
                      only; or, after a tier hit, the partial block the tiers (which
                      store whole blocks) could not supply
+    draft_lookahead  the device tree holds them, but a speculative drafter's KV there
+                     (EAGLE / MTP) also read the next tokens, which the tree does not
+                     hold for this request: its writer's next token may differ
     no_state_checkpoint  the device tree holds these whole blocks, but a recurrent
                      state (Mamba / linear-attention hybrids) resumes only from a
                      block that a step ended on, and none of them is one (or still
@@ -42,6 +45,7 @@ from kvbackend.core.seen_prefixes import PrefixDigests, SeenPrefixes
 
 SAME_STEP_BLOCK = "same_step_block"
 BLOCK_ALIGNMENT = "block_alignment"
+DRAFT_LOOKAHEAD = "draft_lookahead"
 NO_STATE_CHECKPOINT = "no_state_checkpoint"
 EVICTED = "evicted"
 OTHER_NAMESPACE = "other_namespace"
@@ -50,8 +54,8 @@ NEVER_SEEN = "never_seen"
 FINAL_TOKEN = "final_token"
 LOOKUP_DISABLED = "lookup_disabled"
 NOT_CACHEABLE = "not_cacheable"
-REASONS = (SAME_STEP_BLOCK, BLOCK_ALIGNMENT, NO_STATE_CHECKPOINT, EVICTED, OTHER_NAMESPACE,
-           DIVERGED, NEVER_SEEN, FINAL_TOKEN, LOOKUP_DISABLED, NOT_CACHEABLE)
+REASONS = (SAME_STEP_BLOCK, BLOCK_ALIGNMENT, DRAFT_LOOKAHEAD, NO_STATE_CHECKPOINT, EVICTED,
+           OTHER_NAMESPACE, DIVERGED, NEVER_SEEN, FINAL_TOKEN, LOOKUP_DISABLED, NOT_CACHEABLE)
 
 WINDOW = 8  # tokens shown on each side of a divergence
 MAX_OTHER_NAMESPACES = 64  # namespaces searched for the prompt, per request
@@ -80,7 +84,9 @@ class Admission:
     written in this step; ``lookup``: False when the request skipped the lookup;
     ``cacheable``: False for prompts that token ids do not name;
     ``state_checkpoints``: the model keeps a recurrent state, so a device hit ends
-    on a whole block holding a state checkpoint.
+    on a whole block holding a state checkpoint; ``draft_lookahead``: a drafter's KV
+    at a position reads that many next tokens, so a device hit ends that many tokens
+    before the tree's match of the request's tokens.
     """
 
     limit: int
@@ -90,6 +96,7 @@ class Admission:
     lookup: bool = True
     cacheable: bool = True
     state_checkpoints: bool = False
+    draft_lookahead: int = 0
 
 
 def diagnose(tree: RadixTree, seen: SeenPrefixes, digests: PrefixDigests, prompt: np.ndarray,
@@ -107,14 +114,22 @@ def diagnose(tree: RadixTree, seen: SeenPrefixes, digests: PrefixDigests, prompt
     limit = min(admission.limit, n)
     spans: list[LostSpan] = []
     longest, node = tree.lookup(prompt[:limit], namespace, touch=False)
+    vouched = longest  # the tree also holds the next draft_lookahead tokens up to here
+    if admission.draft_lookahead:
+        extended, _ = tree.lookup(prompt[:limit + admission.draft_lookahead], namespace,
+                                  touch=False)
+        vouched = max(0, min(longest, extended - admission.draft_lookahead))
     pos = reused
-    whole = longest - longest % tree.block_size
+    whole = vouched - vouched % tree.block_size
     if admission.state_checkpoints and whole > pos:  # whole blocks, none resumable
         spans.append(LostSpan(NO_STATE_CHECKPOINT, pos, whole, {"tier": "device"}))
         pos = whole
-    if longest > pos:  # the tree held more than the engine took
+    if vouched > pos:  # the tree held more than the engine took
         reason = SAME_STEP_BLOCK if admission.same_step_cut else BLOCK_ALIGNMENT
-        spans.append(LostSpan(reason, pos, longest, {"tier": "device"}))
+        spans.append(LostSpan(reason, pos, vouched, {"tier": "device"}))
+        pos = vouched
+    if longest > pos:
+        spans.append(LostSpan(DRAFT_LOOKAHEAD, pos, longest, {"tier": "device"}))
         pos = longest
     if pos < limit:
         pos = _evicted(spans, seen, digests, prompt, pos, limit, admission, tree.block_size)

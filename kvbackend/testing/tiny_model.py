@@ -1,4 +1,5 @@
-"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next) for tests and benchmarks.
+"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next; an EAGLE drafter) for tests
+and benchmarks.
 
 Nothing is downloaded: the model is randomly initialised and the tokenizer is a
 word-level vocabulary (``<unk> <s> </s> w0 w1 ...``) built in memory, so that
@@ -135,11 +136,48 @@ def build_tiny_qwen3_next(path: str, *, seed: int = 0) -> str:
     return _build(path, params, make_config, prepare=slow_decay)
 
 
+def build_tiny_eagle(path: str, *, hidden_size: int = 128, num_heads: int = 4,
+                     num_kv_heads: int = 2, intermediate_size: int = 128, vocab_size: int = 512,
+                     seed: int = 1) -> str:
+    """Create (or reuse) a random EAGLE drafter in ``path`` for a ``build_tiny_llama``
+    model of the same sizes: vLLM's ``EagleLlamaForCausalLM`` format, one decoder layer
+    without an input norm, ``fc`` from the token embedding and the target's hidden state
+    to the layer's input, the target's embedding and LM head shared. Reuse and
+    determinism as in ``build_tiny_llama``.
+    """
+    params = dict(arch="eagle", hidden_size=hidden_size, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                  vocab_size=vocab_size, seed=seed, dtype="float32",
+                  max_position_embeddings=8192)
+
+    def make_config():
+        from transformers import LlamaConfig
+        return LlamaConfig(
+            hidden_size=hidden_size, num_hidden_layers=1, num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+            vocab_size=vocab_size,
+            max_position_embeddings=params["max_position_embeddings"],
+            bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False,
+            architectures=["LlamaForCausalLM"])
+
+    def eagle_weights(model) -> dict:
+        import torch
+        weights = {name.removeprefix("model."): tensor.contiguous()
+                   for name, tensor in model.state_dict().items()
+                   if name.startswith("model.layers.") and "input_layernorm" not in name}
+        hidden = model.config.hidden_size
+        weights["fc.weight"] = torch.randn(hidden, 2 * hidden) / math.sqrt(2 * hidden)
+        return weights
+
+    return _build(path, params, make_config, export=eagle_weights)
+
+
 def _build(path: str, params: dict, make_config: Callable,
-           prepare: Callable | None = None) -> str:
+           prepare: Callable | None = None, export: Callable | None = None) -> str:
     """Save a random model from ``make_config()`` (then ``prepare(model)``, if given) and
     the word-level tokenizer into ``path``, unless ``path`` already holds one built with
-    ``params``."""
+    ``params``. ``export(model)``, if given, names the tensors saved instead of the
+    model's own."""
     config_path = os.path.join(path, "config.json")
     if os.path.exists(config_path):
         with open(config_path) as f:
@@ -174,7 +212,12 @@ def _build(path: str, params: dict, make_config: Callable,
     os.makedirs(path, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny_model_", dir=path)
     try:
-        model.save_pretrained(tmp)
+        if export is None:
+            model.save_pretrained(tmp)
+        else:
+            from safetensors.torch import save_file
+            save_file(export(model), os.path.join(tmp, "model.safetensors"))
+            config.save_pretrained(tmp)
         hf_tok.save_pretrained(tmp)
         names = sorted(os.listdir(tmp), key=lambda n: n == "config.json")
         for name in names:

@@ -51,7 +51,8 @@ a ``free`` before that (aborted while loading: vLLM then frees it without cuttin
 its tokens back) publishes nothing (``loading``). Nothing another request can
 match ever comes from a failed load.
 
-Speculative decoding (n-gram, suffix, Medusa, MLP speculators, draft models):
+Speculative decoding (n-gram, suffix, Medusa, MLP speculators, draft models, EAGLE,
+EAGLE-3, single-module MTP):
 ``num_new_tokens`` counts the draft tokens and ``num_lookahead_tokens`` the
 drafter's extra slots; both get blocks (``computed + new + lookahead``, capped at
 ``max_model_len``, as vLLM does), but only ``request.all_token_ids`` is ever
@@ -59,6 +60,19 @@ published, so a draft is published only once accepted, and then it is a real
 token whose KV its verification step wrote. A rejected draft's KV stays in a slot
 past ``num_computed_tokens``, which the tree never lists and the next step
 overwrites (``tests/vllm/test_spec_decode.py`` checks the tree after every step).
+An EAGLE / EAGLE-3 / MTP drafter writes its own KV into the same blocks, and its KV at
+a position also reads the next token (``num_prefill_lookahead`` of them: its input
+there is that token with the target's hidden state), which is its writer's, not
+necessarily the request's. So a hit ends that many tokens before the tree's match of
+the request's tokens (``_match_clear_of_drafts``): every hit position's next token is
+then one the tree holds, written by the same writer (a block holds one sequence's
+tokens), and a partial hit recomputes the rest. vLLM drops a hit's last whole block
+instead; kvbackend's tiers do as vLLM (``TierPlanner``: no key vouches for a tier
+block's next token). Only the drafter's proposals depend on its KV: a stale one
+lowers acceptance, never changes outputs. One imprecision remains, as in vLLM: where
+two sequences share a whole block and continue differently, the tree keeps the first
+one's block, whose last slot's drafter KV read the first one's next token; a later hit
+through it into the second one's continuation reads that slot.
 
 Several KV-cache groups (interleaved sliding-window and full attention, e.g.
 Gemma 2/3): every group's blocks are cached along the same token boundaries. A
@@ -311,6 +325,8 @@ class KVBackendManager(KVCacheManager):
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
         self.kv_events = kv_events  # set with --kv-events-config
+        # EAGLE / MTP: the tokens past a position whose KV the drafter's KV there reads
+        self.draft_lookahead = kwargs.get("num_prefill_lookahead", 0)
         num_physical = self.kv_cache_config.num_blocks
         # Mamba / linear-attention hybrids: hits end on a block holding a state checkpoint
         self.state_groups = [g for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
@@ -378,7 +394,7 @@ class KVBackendManager(KVCacheManager):
         if request.num_preemptions <= 0:
             limit = min(limit, request.num_prompt_tokens)
         tokens = tracked.tokens.sync(request.all_token_ids)
-        match = self.cache.match(tokens, tracked.namespace, max_tokens=limit)
+        match = self._match_clear_of_drafts(tokens, tracked.namespace, limit)
         while match.num_partial_tokens and self._written_this_step.overwrites(
                 match.partial_block_id, match.num_partial_tokens):
             # A node higher on the path may hold its own, older copy of that block.
@@ -676,6 +692,19 @@ class KVBackendManager(KVCacheManager):
             self._requests[request.request_id] = tracked
         return tracked
 
+    def _match_clear_of_drafts(self, tokens, namespace, limit: int) -> PrefixMatch:
+        """The longest match of ``tokens`` up to ``limit``. With an EAGLE / MTP drafter, whose
+        KV at a position also reads the next ``draft_lookahead`` tokens (its writer's), it
+        ends that many tokens before the tree's match does: the tree vouches for those
+        tokens, so the drafter KV of every hit position read the request's own. O(depth +
+        tokens), twice when the lookahead cuts the match."""
+        lookahead = self.draft_lookahead
+        match = self.cache.match(tokens, namespace, max_tokens=limit + lookahead)
+        hit = min(limit, match.num_tokens - lookahead)
+        if hit < match.num_tokens:
+            match = self.cache.match(tokens, namespace, max_tokens=max(hit, 0))
+        return match
+
     def _admission_match(self, request: Request, tracked: _TrackedRequest, hit: int) -> PrefixMatch:
         """The match ``get_computed_blocks`` returned, re-taken if the tree moved since."""
         match = tracked.match
@@ -745,7 +774,8 @@ class KVBackendManager(KVCacheManager):
                               match.num_tokens, num_external_tokens,
                               lookup=self.prefix_cache_lookup_enabled(request),
                               cacheable=tracked.cacheable,
-                              state_checkpoints=self.checkpoints is not None)
+                              state_checkpoints=self.checkpoints is not None,
+                              draft_lookahead=self.draft_lookahead)
         self.miss_log.admitted(request.request_id, tracked.namespace, prompt, admission,
                                self._written_this_step)
 

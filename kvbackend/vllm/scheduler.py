@@ -35,6 +35,11 @@ STATE_LAYERS_REFUSAL = (
     "mamba_cache_mode=\"align\" (used where vLLM's prefix caching supports the model; "
     "this one runs them in mode \"none\" or has other state layers)")
 
+UNCHECKED_DRAFTERS_REFUSAL = (
+    "speculative decoding with DFlash, DSpark, multi-module MTP or extract_hidden_states "
+    "drafters (not checked: no tiny drafter of theirs runs on the CPU build; n-gram, suffix, "
+    "Medusa, MLP speculators, draft models, EAGLE, EAGLE-3 and single-module MTP are served)")
+
 
 def unsupported_features(config: VllmConfig,
                          kv_cache_config: KVCacheConfig | None = None) -> list[str]:
@@ -49,13 +54,12 @@ def unsupported_features(config: VllmConfig,
     spec = config.speculative_config
     transfer = config.kv_transfer_config
     checks = {
-        # EAGLE-style drafters' KV at a position reads the *next* token, which a
-        # token-exact partial hit does not match: to check on a GPU. A draft model is a
-        # causal LM in the same blocks: its KV is a function of the prefix, as the target's.
-        "speculative decoding whose drafter reads the target's hidden states into a KV "
-        "cache (EAGLE, MTP, DFlash, DSpark; n-gram, suffix, Medusa, MLP speculators and "
-        "draft models are served)":
-            spec is not None and spec.uses_draft_kv_cache() and not spec.uses_draft_model(),
+        # An EAGLE / MTP drafter's KV at a position also reads the next token(s): the
+        # manager's hits keep clear of them (``num_prefill_lookahead``). The others write
+        # drafter KV kvbackend has not checked on any engine.
+        UNCHECKED_DRAFTERS_REFUSAL:
+            spec is not None and spec.uses_draft_kv_cache() and not spec.uses_draft_model()
+            and (spec.method not in ("eagle", "eagle3", "mtp") or spec.use_multi_module_mtp()),
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode/prefill context parallelism": (
             parallel.decode_context_parallel_size > 1
@@ -146,6 +150,7 @@ class KVBackendScheduler(Scheduler):
             hash_block_size=self.hash_block_size,
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
+            num_prefill_lookahead=self.num_prefill_lookahead,
             backend_config=backend_config,
             # another connector reads whole block tables: every group keeps every block
             free_group_pages=all(map(is_tier_connector, child_configs(

@@ -1,8 +1,8 @@
 """kvbackend with speculative decoding, its tree checked after every engine step, run
-in a fresh process: ``python -m tests.vllm.spec_decode_steps MODEL [DRAFT_MODEL]`` (n-gram
-drafts, or a draft model's) prints JSON with the workload's greedy outputs, cached
-tokens, draft and accepted token counts, and every tree path that is no prefix of a
-request's token ids.
+in a fresh process: ``python -m tests.vllm.spec_decode_steps MODEL [METHOD DRAFTER]``
+(n-gram drafts, or a draft model's or an EAGLE drafter's: METHOD ``draft_model`` or
+``eagle``) prints JSON with the workload's greedy outputs, cached tokens, draft and
+accepted token counts, and every tree path that is no prefix of a request's token ids.
 
 A draft token is a guess: the engine runs it, then keeps it only if the model
 agrees. The tree must only ever hold a request's real tokens (prompt and accepted
@@ -25,11 +25,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
 MAX_TOKENS = 24
 
 
-def speculative_config(draft_model: str | None) -> dict:
-    """n-gram drafts, or ``draft_model``'s."""
-    if draft_model is None:
+def speculative_config(drafter: tuple[str, str] | None) -> dict:
+    """n-gram drafts, or ``drafter``'s: (method, path)."""
+    if drafter is None:
         return NGRAM
-    return {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 3}
+    method, path = drafter
+    return {"method": method, "model": path, "num_speculative_tokens": 3}
 
 
 def repetitive(rng: random.Random, n: int) -> list[int]:
@@ -95,11 +96,11 @@ class StepChecker:
                 self.violations.append(path)
 
 
-def main(model: str, draft_model: str | None) -> None:
+def main(model: str, drafter: tuple[str, str] | None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    llm = make_engine(model, "kvbackend", speculative_config=speculative_config(draft_model))
+    llm = make_engine(model, "kvbackend", speculative_config=speculative_config(drafter))
     try:
         checker = StepChecker(llm.llm_engine.engine_core.engine_core.scheduler)
         prompts, got = run_workload(llm, params)
@@ -120,4 +121,4 @@ def run_workload(llm, params) -> tuple[list[list[int]], list]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    main(sys.argv[1], (sys.argv[2], sys.argv[3]) if len(sys.argv) > 3 else None)

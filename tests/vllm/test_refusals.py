@@ -26,7 +26,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm import engine_kwargs
 from kvbackend.vllm.scheduler import (
-    STATE_LAYERS_REFUSAL, KVBackendScheduler, unsupported_features,
+    STATE_LAYERS_REFUSAL, UNCHECKED_DRAFTERS_REFUSAL, KVBackendScheduler, unsupported_features,
 )
 from tests.vllm.conftest import BLOCK_SIZE
 from tests.vllm.test_other_connectors import example_connector
@@ -163,17 +163,16 @@ def test_ngram_speculative_decoding_is_served_without_the_option_validator(tiny_
     assert OPTIONS_VALIDATOR in plain.model_config.logits_processors
 
 
-def test_eagle_drafters_are_refused_draft_models_served_with_async_scheduling(tiny_model):
+def test_draft_models_and_eagle_are_served_with_async_scheduling_others_refused(tiny_model):
     draft = {"model": tiny_model, "num_speculative_tokens": 2}
-    draft_model = _spec_config(tiny_model, {"method": "draft_model", **draft})
-    assert unsupported_features(draft_model) == []
-    draft_model.scheduler_config.async_scheduling = True  # what vLLM picks on a GPU
-    assert unsupported_features(draft_model) == []  # test_async_scheduling.py: drafts
-    eagle = _spec_config(tiny_model, {"method": "eagle", **draft})
-    assert unsupported_features(eagle) == [
-        "speculative decoding whose drafter reads the target's hidden states into a KV cache "
-        "(EAGLE, MTP, DFlash, DSpark; n-gram, suffix, Medusa, MLP speculators and draft "
-        "models are served)"]
+    for method in ("draft_model", "eagle"):  # test_spec_decode.py, test_eagle.py
+        config = _spec_config(tiny_model, {"method": method, **draft})
+        assert unsupported_features(config) == []
+        config.scheduler_config.async_scheduling = True  # what vLLM picks on a GPU
+        assert unsupported_features(config) == []  # test_async_scheduling.py: drafts
+    for method in ("dflash", "dspark", "extract_hidden_states"):  # no tiny drafter here
+        config.speculative_config.method = method
+        assert unsupported_features(config) == [UNCHECKED_DRAFTERS_REFUSAL]
 
 
 def _spec(kind, block_size: int = BLOCK_SIZE, **fields):

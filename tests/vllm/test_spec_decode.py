@@ -1,5 +1,6 @@
-"""Speculative decoding with kvbackend on the real vLLM CPU engine: n-gram drafts, and a
-draft model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected).
+"""Speculative decoding with kvbackend on the real vLLM CPU engine: n-gram drafts, a draft
+model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected) and an
+EAGLE drafter (random too), whose KV after a hit ``drafter_kv.py`` checks.
 
 kvbackend (its tree checked after every step for draft tokens, in a fresh process:
 ``spec_decode_steps.py``) against vLLM without prefix caching or speculative decoding
@@ -18,24 +19,27 @@ import sys
 import pytest
 from vllm import SamplingParams
 
-from kvbackend.testing.tiny_model import build_tiny_llama
-from tests.vllm.conftest import make_engine, shutdown
+from kvbackend.testing.tiny_model import build_tiny_eagle, build_tiny_llama
+from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
 from tests.vllm.spec_decode_steps import MAX_TOKENS, run_workload, speculative_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model"])
-def draft_model(request, tmp_path_factory) -> str | None:
-    """None for n-gram drafts, else the draft model's path."""
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle"])
+def drafter(request, tmp_path_factory) -> tuple[str, str] | None:
+    """None for n-gram drafts, else the drafter's (method, path)."""
     if request.param == "ngram":
         return None
-    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-draft")), seed=1)
+    path = str(tmp_path_factory.mktemp("tiny-drafter"))
+    if request.param == "eagle":
+        return "eagle", build_tiny_eagle(path)
+    return "draft_model", build_tiny_llama(path, seed=1)
 
 
 @pytest.fixture(scope="module")
-def kvbackend_run(tiny_model, draft_model) -> dict:
-    args = [tiny_model] + ([draft_model] if draft_model else [])
+def kvbackend_run(tiny_model, drafter) -> dict:
+    args = [tiny_model, *(drafter or ())]
     done = subprocess.run([sys.executable, "-m", "tests.vllm.spec_decode_steps", *args],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,17 +47,17 @@ def kvbackend_run(tiny_model, draft_model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def apc_spec_run(tiny_model, draft_model):
-    llm = make_engine(tiny_model, "vllm-apc", speculative_config=speculative_config(draft_model))
+def apc_spec_run(tiny_model, drafter):
+    llm = make_engine(tiny_model, "vllm-apc", speculative_config=speculative_config(drafter))
     try:
         yield run_workload(llm, GREEDY)
     finally:
         shutdown(llm)
 
 
-def test_drafts_are_proposed_and_some_rejected(kvbackend_run, draft_model):
+def test_drafts_are_proposed_and_some_rejected(kvbackend_run, drafter):
     assert 0 <= kvbackend_run["accepted"] < kvbackend_run["drafts"]
-    if draft_model is None:  # n-gram finds the repetitions: some drafts are accepted
+    if drafter is None:  # n-gram finds the repetitions: some drafts are accepted
         assert kvbackend_run["accepted"] > 0
 
 
@@ -76,3 +80,21 @@ def test_hits_never_below_vllm_prefix_caching_with_the_same_drafts(kvbackend_run
     assert sum(theirs) > 0, "vLLM's prefix caching hit nothing; the workload is wrong"
     assert all(ours >= t for ours, t in zip(kvbackend_run["cached"], theirs)), (
         kvbackend_run["cached"], theirs)
+
+
+def test_an_eagle_hit_keeps_the_drafter_kv_that_read_the_requests_own_next_token(tiny_model,
+                                                                                tmp_path):
+    """``drafter_kv.py``: B shares A's two-block document, then diverges. The drafter's KV
+    at the document's last token read A's next token, so B's hit stops one token short
+    and B's copy of that block holds, in the drafter's layer, what a request computing B
+    from scratch holds (and in the target's layers what A's holds)."""
+    drafter = build_tiny_eagle(str(tmp_path / "eagle"))
+    done = subprocess.run([sys.executable, "-m", "tests.vllm.drafter_kv", tiny_model, drafter],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["cached"] == [0, 2 * BLOCK_SIZE - 1, 0]  # the third: another cache salt
+    assert got["num_drafter_layers"] == 1 and got["blocks"][1] != got["blocks"][0]
+    assert got["target_b_vs_a"] < 1e-5
+    assert got["drafter_b_vs_fresh"] < 1e-5
+    assert got["drafter_b_vs_a"] > 1e-3, "B's drafter KV is A's: it read A's next token"

@@ -201,7 +201,8 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                                self._vllm_config.scheduler_config.async_scheduling),
                            state_groups=self.state_groups,
                            payload_weights=(self.ordinary_nbytes // self.page_nbytes,
-                                            self.num_groups))
+                                            self.num_groups),
+                           draft_lookahead=self._vllm_config.num_prefill_lookahead_tokens)
 
     def _remote_tier(self, identity: CacheIdentity) -> RemoteTier:
         """The remote tier of one rank (nothing connects until its first call)."""

@@ -201,7 +201,7 @@ class TierPlanner:
                  clock: Callable[[], float] = time.monotonic,
                  prefetch_step_blocks: int = 0, max_steps_in_flight: int = 1,
                  all_loads_async: bool = False, state_groups: Collection[int] = (),
-                 payload_weights: tuple[int, int] = (1, 1)) -> None:
+                 payload_weights: tuple[int, int] = (1, 1), draft_lookahead: int = 0) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(max_steps_in_flight, int) or max_steps_in_flight <= 0:
@@ -217,6 +217,7 @@ class TierPlanner:
         self.remote_step_blocks = remote_step_blocks
         self.prefetch_step_blocks = prefetch_step_blocks
         self.payload_weights = payload_weights
+        self.draft_lookahead = draft_lookahead  # an EAGLE / MTP drafter's: see ``lookup``
         # key -> (request, whether a checkpoint copy), queued for this step
         self._prefetches: dict[str, tuple[str, bool]] = {}
         self._step_remote = 0  # remote loads planned for the step being scheduled
@@ -299,6 +300,9 @@ class TierPlanner:
             sources += [Source.REMOTE] * found
             if found < len(probed):
                 self._facts.append(TierFact(Source.REMOTE, probed[found], None))
+        if self.draft_lookahead:  # the drafter KV at the hit's end read its writer's next
+            # tokens, which no key vouches for: as vLLM, the hit's last block is recomputed
+            del sources[max(0, len(sources) - -(-self.draft_lookahead // bs)):]
         keys = st.keys[start:start + len(sources)]
         if self.state_groups:  # the hit ends on a checkpoint: its last block loads that
             keys, sources = self._checkpoint_hit(keys, sources)

@@ -1,0 +1,78 @@
+"""An EAGLE drafter's KV after a kvbackend hit, read from the worker's KV cache, in a
+fresh process: ``python -m tests.vllm.drafter_kv MODEL EAGLE_DRAFTER`` prints JSON.
+
+The drafter's KV at a position also reads the next token. Request A computes a
+two-block document X and its question; request B shares X and asks another question,
+so the tree vouches for B's tokens through the end of X only. B must then recompute
+X's last token (a partial hit on X's second block: copied, its last slot written
+again), and B's copy of that block must hold, in the drafter's layer, what request D
+(B again under another cache salt: computed from scratch) computes there, not A's
+(whose last slot read A's next token). The target's layers of the two copies are
+equal. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach
+the worker's KV cache; see ``same_step_branches.py`` for why it needs a process of its
+own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+from tests.vllm.conftest import BLOCK_SIZE, make_engine, random_tokens, shutdown
+
+
+def main(model: str, drafter: str) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import json
+
+    from vllm import SamplingParams
+
+    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": 3}
+    llm = make_engine(model, "kvbackend", speculative_config=spec)
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        tables = _record_block_tables(core.scheduler.kv_cache_manager)
+        document = random_tokens(random.Random(3), 2 * BLOCK_SIZE)
+        a, b = document + [7, 8, 9, 10], document + [11, 12, 13, 14]
+        prompts = [{"prompt_token_ids": a}, {"prompt_token_ids": b},
+                   {"prompt_token_ids": b, "cache_salt": "fresh"}]
+        params = SamplingParams(temperature=0, max_tokens=4)
+        cached = [llm.generate([p], params, use_tqdm=False)[0].num_cached_tokens
+                  for p in prompts]
+        # each request's copy of the document's second block, per layer: (target?, KV)
+        runner = core.model_executor.driver_worker.worker.model_runner
+        num_target = core.vllm_config.model_config.get_num_layers(
+            core.vllm_config.parallel_config)
+        blocks = [tables[i][1] for i in range(3)]
+        layers = [(int(name.split(".")[2]) < num_target, layer.kv_cache[blocks])
+                  for name, layer in runner.compilation_config.static_forward_context.items()
+                  if hasattr(layer, "kv_cache") and name.startswith("model.layers.")]
+    finally:
+        shutdown(llm)
+
+    def max_diff(target: bool, i: int, j: int) -> float:
+        return max(float((kv[i] - kv[j]).abs().max()) for is_target, kv in layers
+                   if is_target == target)
+
+    print(json.dumps({"cached": cached, "blocks": blocks,
+                      "num_drafter_layers": sum(not t for t, _ in layers),
+                      "target_b_vs_a": max_diff(True, 1, 0),
+                      "drafter_b_vs_fresh": max_diff(False, 1, 2),
+                      "drafter_b_vs_a": max_diff(False, 1, 0)}))
+
+
+def _record_block_tables(manager) -> list[list[int]]:
+    """The block table of every request the manager frees, in the order freed."""
+    tables, free = [], manager.free
+
+    def recorded(request):
+        tables.append(list(manager.get_blocks(request.request_id).get_block_ids()[0]))
+        return free(request)
+
+    manager.free = recorded
+    return tables
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
