@@ -14,6 +14,10 @@ What is measured
                     block size 128, so it reuses the block-aligned part of the prompt)
         kvbackend   **kvbackend.vllm.engine_kwargs() (token-exact; block size 128)
 
+    ``--eagle`` gives every engine a random EAGLE drafter of the model's sizes (3 draft
+    tokens; random, so it is rarely right): vLLM's prefix caching then drops a hit's
+    last block, kvbackend's hit ends one token before its match (the drafter's KV at a
+    position reads the next token).
     ``--async-scheduling on|off`` sets vLLM's ``async_scheduling`` for all three alike
     (``engine_kwargs()`` without a tier leaves it alone, so kvbackend runs under the
     same setting, with its ``KVBackendAsyncScheduler`` when on); ``default`` (the
@@ -86,13 +90,17 @@ def kv_cache_bytes(params: dict, args) -> int:
     return -(-int(1.25 * tokens * per_token) // (1 << 20)) << 20
 
 
-def engine_kwargs(mode: str, model_dir: str, args, kv_bytes: int) -> dict:
-    """The ``vllm.LLM`` keyword arguments of engine ``mode``."""
+def engine_kwargs(mode: str, model_dir: str, args, kv_bytes: int,
+                  drafter: str | None = None) -> dict:
+    """The ``vllm.LLM`` keyword arguments of engine ``mode`` (EAGLE drafts by ``drafter``)."""
     import kvbackend.vllm
 
     max_len = args.system_tokens + args.question_tokens + args.output_tokens + 256
     kwargs = dict(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
                   max_model_len=max_len, kv_cache_memory_bytes=kv_bytes)
+    if drafter is not None:
+        kwargs["speculative_config"] = {"method": "eagle", "model": drafter,
+                                        "num_speculative_tokens": 3}
     if mode == "kvbackend":
         kwargs.update(kvbackend.vllm.engine_kwargs())
     else:
@@ -106,12 +114,13 @@ def engine_kwargs(mode: str, model_dir: str, args, kv_bytes: int) -> dict:
     return kwargs
 
 
-def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int) -> dict:
+def run_engine(mode: str, model_dir: str, prompts, warm, args, kv_bytes: int,
+               drafter: str | None) -> dict:
     import vllm
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    llm = vllm.LLM(**engine_kwargs(mode, model_dir, args, kv_bytes))
+    llm = vllm.LLM(**engine_kwargs(mode, model_dir, args, kv_bytes, drafter))
     startup = time.perf_counter() - t0
     async_scheduling = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     if args.async_scheduling != "default" and async_scheduling != (args.async_scheduling == "on"):
@@ -155,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--async-scheduling", choices=("on", "off", "default"),
                         default="default",
                         help="vLLM's async_scheduling for every engine (default: vLLM's choice)")
+    parser.add_argument("--eagle", action="store_true",
+                        help="every engine drafts with a random EAGLE drafter (3 tokens)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print each engine's keyword arguments; start no engine")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -169,16 +180,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    from kvbackend.testing.tiny_model import build_tiny_llama
+    from kvbackend.testing.tiny_model import build_tiny_eagle, build_tiny_llama
 
     params = model_params(args)
     model_dir = args.model_dir or f"/tmp/kvbackend-bench-e2e-{'quick' if args.quick else 'default'}"
     build_tiny_llama(model_dir, max_position_embeddings=8192, **params)
+    sizes = {k: v for k, v in params.items() if k != "num_layers"}
+    drafter = build_tiny_eagle(f"{model_dir}-eagle", **sizes) if args.eagle else None
     system, prompts, warm = make_prompts(args, params["vocab_size"])
     kv_bytes = kv_cache_bytes(params, args)
     if args.dry_run:
         for mode in engines:
-            print(f"{mode}: {engine_kwargs(mode, model_dir, args, kv_bytes)}")
+            print(f"{mode}: {engine_kwargs(mode, model_dir, args, kv_bytes, drafter)}")
         return
     print(f"model {params}; KV cache {kv_bytes >> 20} MiB; "
           f"{args.questions} x ({args.system_tokens} shared + {args.question_tokens}) tokens, "
@@ -188,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     for mode in engines:
         t0 = time.perf_counter()
-        results[mode] = run_engine(mode, model_dir, prompts, warm, args, kv_bytes)
+        results[mode] = run_engine(mode, model_dir, prompts, warm, args, kv_bytes, drafter)
         r = results[mode]
         print(f"  {mode}: start-up {r['startup_s']:.1f} s, batch {r['batch_s']:.2f} s "
               f"(engine total {time.perf_counter() - t0:.1f} s, async scheduling "
@@ -207,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nOne generate batch: {args.questions} requests = {args.system_tokens}-token shared "
           f"system prompt + {args.question_tokens}-token question, "
           f"{args.output_tokens} output tokens "
-          f"(model hidden {params['hidden_size']}, {params['num_layers']} layers, float32)\n")
+          f"(model hidden {params['hidden_size']}, {params['num_layers']} layers, float32"
+          f"{'; EAGLE drafts' if args.eagle else ''})\n")
     print("| engine | start-up (s) | batch wall time (s) | mean num_cached_tokens "
           "| shared-token reuse "
           "(requests 2..n) | batch time vs vllm-apc |")
