@@ -1,4 +1,5 @@
-"""Hypothesis profiles: `ci` is deterministic and thorough, `dev` is quick."""
+"""Hypothesis profiles: `ci` is deterministic and thorough, `dev` is quick, `soak` is a long
+random campaign (``HYPOTHESIS_SOAK_EXAMPLES``, 2000 by default) to run by hand."""
 
 import os
 
@@ -9,4 +10,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=60, deadline=None)
+settings.register_profile(
+    "soak", max_examples=int(os.environ.get("HYPOTHESIS_SOAK_EXAMPLES", "2000")), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
