@@ -325,7 +325,7 @@ class KVBackendManager(KVCacheManager):
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
         self.kv_events = kv_events  # set with --kv-events-config
-        # EAGLE / MTP: the tokens past a position whose KV the drafter's KV there reads
+        # EAGLE / MTP: how many next tokens a drafter's KV at a position reads (else 0)
         self.draft_lookahead = kwargs.get("num_prefill_lookahead", 0)
         num_physical = self.kv_cache_config.num_blocks
         # Mamba / linear-attention hybrids: hits end on a block holding a state checkpoint

@@ -269,7 +269,8 @@ class TierPlanner:
     def lookup(self, request_id: str, tokens: Sequence[int], namespace: bytes,
                num_computed_tokens: int) -> int:
         """Tokens the tiers can supply right after a device hit of ``num_computed_tokens``
-        (0 unless that is block-aligned). ``tokens`` is the request's live token list.
+        (0 unless that is block-aligned; with an EAGLE / MTP drafter, less the run's last
+        block). ``tokens`` is the request's live token list.
         O(new tokens) to extend its keys, plus O(1) per hit block and a stat per rank
         per disk block probed."""
         st = self._requests.get(request_id)
@@ -302,7 +303,7 @@ class TierPlanner:
                 self._facts.append(TierFact(Source.REMOTE, probed[found], None))
         if self.draft_lookahead:  # the drafter KV at the hit's end read its writer's next
             # tokens, which no key vouches for: as vLLM, the hit's last block is recomputed
-            del sources[max(0, len(sources) - -(-self.draft_lookahead // bs)):]
+            del sources[max(0, len(sources) - (self.draft_lookahead + bs - 1) // bs):]
         keys = st.keys[start:start + len(sources)]
         if self.state_groups:  # the hit ends on a checkpoint: its last block loads that
             keys, sources = self._checkpoint_hit(keys, sources)
