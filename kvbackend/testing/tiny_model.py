@@ -1,5 +1,5 @@
-"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next; an EAGLE drafter) for tests
-and benchmarks.
+"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next; MiMo with an MTP layer; EAGLE
+and EAGLE-3 drafters) for tests and benchmarks.
 
 Nothing is downloaded: the model is randomly initialised and the tokenizer is a
 word-level vocabulary (``<unk> <s> </s> w0 w1 ...``) built in memory, so that
@@ -170,6 +170,88 @@ def build_tiny_eagle(path: str, *, hidden_size: int = 128, num_heads: int = 4,
         return weights
 
     return _build(path, params, make_config, export=eagle_weights)
+
+
+def build_tiny_eagle3(path: str, *, seed: int = 1) -> str:
+    """Create (or reuse) a random EAGLE-3 drafter in ``path`` for ``build_tiny_llama``'s
+    default model: vLLM's ``Eagle3LlamaForCausalLM`` format, one decoder layer
+    (``midlayer``: attention over the token embedding and the previous hidden state,
+    concatenated), ``fc`` from the target's hidden states before its layer 0, after it and
+    after its layer 1, its own norm and LM head, the target's embedding shared. Reuse and
+    determinism as in ``build_tiny_llama``.
+    """
+    hidden, heads, kv_heads, head_dim, inter, vocab = 128, 4, 2, 32, 128, 512
+    params = dict(arch="eagle3", seed=seed, dtype="float32", vocab_size=vocab,
+                  max_position_embeddings=8192)
+
+    def make_config():
+        from transformers import LlamaConfig
+        return LlamaConfig(
+            hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
+            max_position_embeddings=params["max_position_embeddings"],
+            bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=False,
+            architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vocab,
+            eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+
+    def eagle3_weights(model) -> dict:
+        import torch
+
+        def linear(rows: int, cols: int):
+            return torch.randn(rows, cols) / math.sqrt(cols)
+
+        layer = {"self_attn.q_proj": linear(heads * head_dim, 2 * hidden),
+                 "self_attn.k_proj": linear(kv_heads * head_dim, 2 * hidden),
+                 "self_attn.v_proj": linear(kv_heads * head_dim, 2 * hidden),
+                 "self_attn.o_proj": linear(hidden, heads * head_dim),
+                 "mlp.gate_proj": linear(inter, hidden), "mlp.up_proj": linear(inter, hidden),
+                 "mlp.down_proj": linear(hidden, inter)}
+        weights = {f"midlayer.{name}.weight": w for name, w in layer.items()}
+        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            weights[f"midlayer.{norm}.weight"] = torch.ones(hidden)
+        weights.update({"fc.weight": linear(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
+                        "lm_head.weight": linear(vocab, hidden)})
+        return weights
+
+    return _build(path, params, make_config, export=eagle3_weights)
+
+
+def build_tiny_mimo(path: str, *, seed: int = 0) -> str:
+    """Create (or reuse) a random MiMo (``MiMoForCausalLM``: a Qwen2 with a multi-token
+    prediction layer) in ``path``: two decoder layers of ``build_tiny_llama``'s default
+    sizes, and one MTP layer (vLLM's ``MiMoMTPModel``, speculative method ``mtp``),
+    which reads the token embedding and the model's last hidden state, 512 words. Reuse
+    and determinism as in ``build_tiny_llama``.
+    """
+    params = dict(arch="mimo", seed=seed, dtype="float32", vocab_size=512,
+                  max_position_embeddings=8192)
+
+    def make_config():
+        from transformers import Qwen2Config
+        return Qwen2Config(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=params["vocab_size"],
+            max_position_embeddings=params["max_position_embeddings"],
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+
+    def with_mtp_layer(model) -> dict:
+        import torch
+        weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        hidden = model.config.hidden_size
+        block = {name.removeprefix("model.layers.0."): tensor for name, tensor in weights.items()
+                 if name.startswith("model.layers.0.")}
+        mtp = {name: torch.randn_like(tensor) / math.sqrt(tensor.shape[-1])
+               if tensor.dim() > 1 else torch.zeros_like(tensor)
+               for name, tensor in block.items() if "layernorm" not in name}
+        for norm in ("input_layernorm", "post_attention_layernorm", "token_layernorm",
+                     "hidden_layernorm", "final_layernorm"):
+            mtp[f"{norm}.weight"] = torch.ones(hidden)
+        mtp["input_proj.weight"] = torch.randn(hidden, 2 * hidden) / math.sqrt(2 * hidden)
+        weights.update({f"model.mtp_layers.0.{name}": tensor for name, tensor in mtp.items()})
+        return weights
+
+    return _build(path, params, make_config, export=with_mtp_layer)
 
 
 def _build(path: str, params: dict, make_config: Callable,

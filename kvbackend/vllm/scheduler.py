@@ -37,8 +37,9 @@ STATE_LAYERS_REFUSAL = (
 
 UNCHECKED_DRAFTERS_REFUSAL = (
     "speculative decoding with DFlash, DSpark, multi-module MTP or extract_hidden_states "
-    "drafters (not checked: no tiny drafter of theirs runs on the CPU build; n-gram, suffix, "
-    "Medusa, MLP speculators, draft models, EAGLE, EAGLE-3 and single-module MTP are served)")
+    "drafters (their KV is not checked: kvbackend's tests build no tiny drafter of these "
+    "kinds; n-gram, suffix, Medusa, MLP speculators, draft models, EAGLE, EAGLE-3 and "
+    "single-module MTP are served)")
 
 
 def unsupported_features(config: VllmConfig,

@@ -1,5 +1,7 @@
-"""An EAGLE drafter's KV after a kvbackend hit, read from the worker's KV cache, in a
-fresh process: ``python -m tests.vllm.drafter_kv MODEL EAGLE_DRAFTER`` prints JSON.
+"""An EAGLE / MTP drafter's KV after a kvbackend hit, read from the worker's KV cache, in a
+fresh process: ``python -m tests.vllm.drafter_kv MODEL METHOD [DRAFTER]`` (METHOD
+``eagle`` or ``eagle3`` with a drafter, ``mtp`` with a model that has MTP layers) prints
+JSON.
 
 The drafter's KV at a position also reads the next token. Request A computes a
 two-block document X and its question; request B shares X and asks another question,
@@ -8,7 +10,7 @@ X's last token (a partial hit on X's second block: copied, its last slot written
 again), and B's copy of that block must hold, in the drafter's layer, what request D
 (B again under another cache salt: computed from scratch) computes there, not A's
 (whose last slot read A's next token). The target's layers of the two copies are
-equal. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach
+equal, and so are B's and D's greedy outputs. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach
 the worker's KV cache; see ``same_step_branches.py`` for why it needs a process of its
 own.
 """
@@ -22,13 +24,14 @@ import sys
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, random_tokens, shutdown
 
 
-def main(model: str, drafter: str) -> None:
+def main(model: str, method: str, drafter: str | None = None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import json
 
     from vllm import SamplingParams
 
-    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": 1 if method == "mtp" else 3,
+            **({"model": drafter} if drafter else {})}
     llm = make_engine(model, "kvbackend", speculative_config=spec)
     try:
         core = llm.llm_engine.engine_core.engine_core
@@ -38,16 +41,15 @@ def main(model: str, drafter: str) -> None:
         prompts = [{"prompt_token_ids": a}, {"prompt_token_ids": b},
                    {"prompt_token_ids": b, "cache_salt": "fresh"}]
         params = SamplingParams(temperature=0, max_tokens=4)
-        cached = [llm.generate([p], params, use_tqdm=False)[0].num_cached_tokens
-                  for p in prompts]
+        got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         # each request's copy of the document's second block, per layer: (target?, KV)
         runner = core.model_executor.driver_worker.worker.model_runner
         num_target = core.vllm_config.model_config.get_num_layers(
             core.vllm_config.parallel_config)
         blocks = [tables[i][1] for i in range(3)]
-        layers = [(int(name.split(".")[2]) < num_target, layer.kv_cache[blocks])
+        layers = [(_is_target_layer(name, num_target), layer.kv_cache[blocks])
                   for name, layer in runner.compilation_config.static_forward_context.items()
-                  if hasattr(layer, "kv_cache") and name.startswith("model.layers.")]
+                  if hasattr(layer, "kv_cache")]
     finally:
         shutdown(llm)
 
@@ -55,11 +57,20 @@ def main(model: str, drafter: str) -> None:
         return max(float((kv[i] - kv[j]).abs().max()) for is_target, kv in layers
                    if is_target == target)
 
-    print(json.dumps({"cached": cached, "blocks": blocks,
+    print(json.dumps({"cached": [g.num_cached_tokens for g in got], "blocks": blocks,
+                      "outputs": [list(g.outputs[0].token_ids) for g in got],
                       "num_drafter_layers": sum(not t for t, _ in layers),
                       "target_b_vs_a": max_diff(True, 1, 0),
                       "drafter_b_vs_fresh": max_diff(False, 1, 2),
                       "drafter_b_vs_a": max_diff(False, 1, 0)}))
+
+
+def _is_target_layer(name: str, num_target: int) -> bool:
+    """Whether attention layer ``name`` is the target's (``model.layers.<i>.`` below
+    ``num_target``), not the drafter's (EAGLE: ``model.layers.<num_target>.``; MTP:
+    ``model.mtp_layers.<i>.``)."""
+    parts = name.split(".")
+    return parts[:2] == ["model", "layers"] and int(parts[2]) < num_target
 
 
 def _record_block_tables(manager) -> list[list[int]]:
@@ -75,4 +86,4 @@ def _record_block_tables(manager) -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

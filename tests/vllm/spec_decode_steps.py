@@ -1,7 +1,7 @@
 """kvbackend with speculative decoding, its tree checked after every engine step, run
 in a fresh process: ``python -m tests.vllm.spec_decode_steps MODEL [METHOD DRAFTER]``
-(n-gram drafts, or a draft model's or an EAGLE drafter's: METHOD ``draft_model`` or
-``eagle``) prints JSON with the workload's greedy outputs, cached tokens, draft and
+(n-gram drafts, or a draft model's or an EAGLE drafter's: METHOD ``draft_model``,
+``eagle`` or ``eagle3``) prints JSON with the workload's greedy outputs, cached tokens, draft and
 accepted token counts, and every tree path that is no prefix of a request's token ids.
 
 A draft token is a guess: the engine runs it, then keeps it only if the model

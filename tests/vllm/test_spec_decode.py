@@ -1,6 +1,6 @@
 """Speculative decoding with kvbackend on the real vLLM CPU engine: n-gram drafts, a draft
-model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected) and an
-EAGLE drafter (random too), whose KV after a hit ``drafter_kv.py`` checks.
+model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected), and
+EAGLE and EAGLE-3 drafters (random too), whose KV after a hit ``drafter_kv.py`` checks.
 
 kvbackend (its tree checked after every step for draft tokens, in a fresh process:
 ``spec_decode_steps.py``) against vLLM without prefix caching or speculative decoding
@@ -19,22 +19,25 @@ import sys
 import pytest
 from vllm import SamplingParams
 
-from kvbackend.testing.tiny_model import build_tiny_eagle, build_tiny_llama
+from kvbackend.testing.tiny_model import (
+    build_tiny_eagle, build_tiny_eagle3, build_tiny_llama, build_tiny_mimo,
+)
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
 from tests.vllm.spec_decode_steps import MAX_TOKENS, run_workload, speculative_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle"])
+BUILDERS = {"draft_model": lambda path: build_tiny_llama(path, seed=1),
+            "eagle": build_tiny_eagle, "eagle3": build_tiny_eagle3}
+
+
+@pytest.fixture(scope="module", params=["ngram", *BUILDERS])
 def drafter(request, tmp_path_factory) -> tuple[str, str] | None:
     """None for n-gram drafts, else the drafter's (method, path)."""
     if request.param == "ngram":
         return None
-    path = str(tmp_path_factory.mktemp("tiny-drafter"))
-    if request.param == "eagle":
-        return "eagle", build_tiny_eagle(path)
-    return "draft_model", build_tiny_llama(path, seed=1)
+    return request.param, BUILDERS[request.param](str(tmp_path_factory.mktemp("tiny-drafter")))
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +85,24 @@ def test_hits_never_below_vllm_prefix_caching_with_the_same_drafts(kvbackend_run
         kvbackend_run["cached"], theirs)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_an_eagle_hit_keeps_the_drafter_kv_that_read_the_requests_own_next_token(tiny_model,
-                                                                                tmp_path):
+                                                                                tmp_path, method):
     """``drafter_kv.py``: B shares A's two-block document, then diverges. The drafter's KV
     at the document's last token read A's next token, so B's hit stops one token short
     and B's copy of that block holds, in the drafter's layer, what a request computing B
-    from scratch holds (and in the target's layers what A's holds)."""
-    drafter = build_tiny_eagle(str(tmp_path / "eagle"))
-    done = subprocess.run([sys.executable, "-m", "tests.vllm.drafter_kv", tiny_model, drafter],
+    from scratch holds (and in the target's layers what A's holds). MTP: a tiny MiMo's
+    own MTP layer drafts."""
+    if method == "mtp":
+        args = [build_tiny_mimo(str(tmp_path / "mimo")), method]
+    else:
+        args = [tiny_model, method, BUILDERS[method](str(tmp_path / method))]
+    done = subprocess.run([sys.executable, "-m", "tests.vllm.drafter_kv", *args],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["cached"] == [0, 2 * BLOCK_SIZE - 1, 0]  # the third: another cache salt
+    assert got["outputs"][1] == got["outputs"][2]
     assert got["num_drafter_layers"] == 1 and got["blocks"][1] != got["blocks"][0]
     assert got["target_b_vs_a"] < 1e-5
     assert got["drafter_b_vs_fresh"] < 1e-5
