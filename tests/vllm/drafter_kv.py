@@ -10,9 +10,9 @@ X's last token (a partial hit on X's second block: copied, its last slot written
 again), and B's copy of that block must hold, in the drafter's layer, what request D
 (B again under another cache salt: computed from scratch) computes there, not A's
 (whose last slot read A's next token). The target's layers of the two copies are
-equal, and so are B's and D's greedy outputs. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach
-the worker's KV cache; see ``same_step_branches.py`` for why it needs a process of its
-own.
+equal, and so are B's and D's greedy outputs. The engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach the worker's KV cache; see
+``same_step_branches.py`` for why it needs a process of its own.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def test_ngram_speculative_decoding_is_served_without_the_option_validator(tiny_
 
 def test_draft_models_and_eagle_are_served_with_async_scheduling_others_refused(tiny_model):
     draft = {"model": tiny_model, "num_speculative_tokens": 2}
-    for method in ("draft_model", "eagle"):  # test_spec_decode.py, test_eagle.py
+    for method in ("draft_model", "eagle"):  # run in test_spec_decode.py
         config = _spec_config(tiny_model, {"method": method, **draft})
         assert unsupported_features(config) == []
         config.scheduler_config.async_scheduling = True  # what vLLM picks on a GPU
