@@ -455,3 +455,20 @@ def test_eviction_reaches_a_parent_that_turns_into_a_leaf_before_a_skipped_one()
     assert cache.evict(1) == 1
     cache.check_invariants()
     assert cache.match([0, 0, 0, 0], "a").num_tokens == 4 and live.num_tokens == 1
+
+
+def test_publishing_past_anothers_locked_prefix_does_not_grow_its_lock(cache):
+    """a publishes 4 tokens and keeps running; b, opened before that, publishes the same
+    4 and 8 more. The leaf a locks grew in place with b's tokens, so a held b's blocks
+    until it ended (with a small pool, a could then wait forever for a block its own
+    lock held). b's tokens hang below a's node now: a holds its one block."""
+    tokens = list(range(1, 13))
+    a = cache.open_sequence(cache.match(tokens[:4]), 8)
+    b = cache.open_sequence(cache.match(tokens), 12)
+    cache.cache(a, tokens[:4])
+    cache.cache(b, tokens)
+    cache.release(b)
+    assert (a.node.start, a.node.end) == (0, 4)
+    assert cache.tree.num_held_blocks == 1
+    cache.check_invariants()
+

@@ -268,7 +268,8 @@ class PrefixCache:
         if len(tokens) > seq.num_tokens:
             raise ValueError(f"cannot cache {len(tokens)} tokens of a "
                              f"{seq.num_tokens}-token sequence")
-        result = self.tree.insert(tokens, seq.block_ids, seq.namespace, priority=priority)
+        result = self.tree.insert(tokens, seq.block_ids, seq.namespace, priority=priority,
+                                  caller_lock=seq.node)
         if len(tokens) >= seq.num_locked_tokens:  # insert split: result.node ends there
             self.tree.lock(result.node)
             self.tree.unlock(seq.node)

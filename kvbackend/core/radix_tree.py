@@ -264,12 +264,15 @@ class RadixTree:
         namespace: Hashable = None,
         *,
         priority: int = 0,
+        caller_lock: RadixNode | None = None,
     ) -> InsertResult:
         """Cache ``tokens`` whose KV lives in ``block_ids`` (block i: positions [i*bs, (i+1)*bs)).
 
         Tokens already cached keep their blocks; the tree takes one reference to each
         block it adopts. The cached path's priority is raised to at least ``priority``
-        (higher survives longer); new tokens get exactly ``priority``.
+        (higher survives longer); new tokens get exactly ``priority``. ``caller_lock``:
+        the node the caller holds its lock on, if any (a leaf grows in place only when
+        no one else locks it: another's lock would grow with it).
         Complexity: O(depth + len(tokens) + new blocks).
         """
         tokens = as_token_array(tokens)
@@ -290,7 +293,7 @@ class RadixTree:
         existing = pos
         self.raise_priority(node, priority)
         if pos < n:
-            node = self._extend(node, tokens[pos:], block_ids, priority)
+            node = self._extend(node, tokens[pos:], block_ids, priority, caller_lock)
         self.stats.setdefault(namespace, NamespaceStats()).inserted_tokens += n - existing
         self._touch_path(node)
         return InsertResult(existing, node)
@@ -556,16 +559,18 @@ class RadixTree:
         return root
 
     def _extend(self, node: RadixNode, tail: np.ndarray, block_ids: Sequence[int] | np.ndarray,
-                priority: int) -> RadixNode:
+                priority: int, caller_lock: RadixNode | None) -> RadixNode:
         """Add ``tail`` after ``node``: grow ``node`` in place when it is a leaf of the
-        same priority whose last block is the caller's own, else hang a new leaf under it."""
+        same priority whose last block is the caller's own and that no one but the caller
+        locks, else hang a new leaf under it."""
         bs, pos = self.block_size, node.end
         end = pos + len(tail)
         first_new = cdiv(pos, bs)  # first block index that starts at or after pos
         boundary_is_own = pos % bs == 0 or (
             len(node.block_ids) and node.block_ids[-1] == block_ids[pos // bs])
         if (not node.is_root and not node.children and boundary_is_own and not node.retain_count
-                and node.priority == priority and not self._is_pinned_end(node)):
+                and node.priority == priority and not self._is_pinned_end(node)
+                and node.lock_ref <= (node is caller_lock)):
             new_blocks = _block_array(block_ids[first_new : cdiv(end, bs)])
             self._blocks.ref(new_blocks, hold=node.lock_ref > 0)
             if node.lock_ref:

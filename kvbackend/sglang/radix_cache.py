@@ -239,8 +239,10 @@ class KVBackendRadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         own_pages = row[:key_len:ps].cpu().numpy().astype(np.int64) // ps
         priority = (req.priority or 0) if self.eviction_policy == "priority" else 0
+        locked = req.last_node.node if isinstance(req.last_node, TreeHandle) else None
         try:
-            node = self.tree.insert(tokens, own_pages, namespace, priority=priority).node
+            node = self.tree.insert(tokens, own_pages, namespace, priority=priority,
+                                    caller_lock=locked).node
         except ValueError as e:
             self._refuse(e)
             return  # the request keeps its pages; release_kv_cache frees them
