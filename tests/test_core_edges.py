@@ -472,3 +472,22 @@ def test_publishing_past_anothers_locked_prefix_does_not_grow_its_lock(cache):
     assert cache.tree.num_held_blocks == 1
     cache.check_invariants()
 
+
+def test_a_sequence_short_of_blocks_gets_the_copies_its_own_path_holds_back():
+    """b and c each copied the block of a's tokens 5-8 (block 2), below the node of
+    tokens 1-6 that lists it. That node's swap to b's copy was refused while two nodes
+    below listed block 2 (a's tail, split by c), and it stopped being a candidate. d
+    continues b: locking its path held block 2 through that node, so the pool (5 blocks)
+    could not supply d's 3 new ones although block 2 serves nothing d reads. A sequence
+    short of blocks now makes the nodes on its own path take their continuations'
+    copies; block 2 goes back with a's evicted tail."""
+    cache = PrefixCache(num_blocks=6, block_size=BS)
+    run(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    run(cache, [1, 2, 3, 4, 5, 6, 20, 21])
+    run(cache, [1, 2, 3, 4, 5, 6, 7, 30])
+    cache.drop_redundant_copies()
+    match = cache.match([1, 2, 3, 4, 5, 6, 20, 21, 40])
+    assert match.num_tokens == 8
+    seq = cache.open_sequence(match, 20)
+    assert seq is not None and len(seq.block_ids) == 5
+    cache.check_invariants()

@@ -170,11 +170,16 @@ class PrefixCache:
         See ``miss_diagnosis.diagnose`` (its complexity too)."""
         return diagnose(self.tree, seen, digests, prompt, namespace, admission)
 
-    def drop_redundant_copies(self) -> int:
+    def drop_redundant_copies(self, seq: Sequence | None = None) -> int:
         """Blocks cached prefixes hold although their continuations copied them, freed
         (``RadixTree.drop_redundant_copies``); no cached token is lost. Live sequences
-        are unaffected: they list their own blocks. O(candidates)."""
-        return self.tree.drop_redundant_copies()
+        are unaffected: they list their own blocks. With ``seq``, every node on its
+        locked prefix tries too (``drop_redundant_copies_on_path``). O(candidates), plus
+        O(depth * nodes inside a block) with ``seq``."""
+        freed = self.tree.drop_redundant_copies()
+        if seq is not None:
+            freed += self.tree.drop_redundant_copies_on_path(seq.node)
+        return freed
 
     @property
     def num_allocatable_blocks(self) -> int:
@@ -223,7 +228,7 @@ class PrefixCache:
         self.tree.lock(node)  # keeps the matched blocks out of eviction below
         source = [match.block_ids[-1]] if match.num_partial_tokens else []
         self.pool.ref(source, hold=True)  # the copy's: a node may drop its own (_allocate)
-        new_blocks = self._allocate(num_new + extra_blocks)
+        new_blocks = self._allocate(num_new + extra_blocks, node)
         if new_blocks is None:
             self.pool.unref(source, hold=True)
             self.tree.unlock(node)
@@ -248,7 +253,7 @@ class PrefixCache:
         if num_tokens < seq.num_tokens:
             raise ValueError(f"a sequence cannot shrink ({seq.num_tokens} -> {num_tokens} tokens)")
         num_new = cdiv(num_tokens, self.block_size) - len(seq.block_ids)
-        new_blocks = self._allocate(num_new + extra_blocks)
+        new_blocks = self._allocate(num_new + extra_blocks, seq.node)
         if new_blocks is None:
             return None
         new_blocks, seq.extra_block_ids = self._split_extras(new_blocks, extra_blocks)
@@ -405,13 +410,18 @@ class PrefixCache:
         self._in_flight_copies.clear()
 
     # ---------------------------------------------------------------- helpers
-    def _allocate(self, n: int) -> list[int] | None:
+    def _allocate(self, n: int, path: RadixNode | None = None) -> list[int] | None:
         """``n`` free blocks, evicting as needed (with a ``reclaimer``, the tree's victim
         or the caller's oldest reclaimable block, whichever is older, one at a time).
         Where those fall short, nodes whose continuations copied their last block give
-        up their own copy first (``drop_redundant_copies``, only then)."""
+        up their own copy first (``drop_redundant_copies``, only then), and then those
+        on ``path`` (the locked prefix of the sequence that needs the blocks), whether or
+        not they are candidates: a locked node keeps its own copy until it is unlocked,
+        so a sequence could wait for a block its own prefix holds."""
         if n > self.num_allocatable_blocks:
             self.drop_redundant_copies()
+        if n > self.num_allocatable_blocks and path is not None:
+            self.tree.drop_redundant_copies_on_path(path)
         if n > self.num_allocatable_blocks:
             return None
         if self.reclaimer is None:

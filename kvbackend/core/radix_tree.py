@@ -685,6 +685,17 @@ class RadixTree:
         candidates, self._copied_boundaries = self._copied_boundaries, {}
         return sum(self._borrow_boundary_block(node) for node in candidates.values())
 
+    def drop_redundant_copies_on_path(self, node: RadixNode) -> int:
+        """``drop_redundant_copies`` for the nodes on ``node``'s path (the root excluded),
+        candidates or not: a candidate's swap may have been refused while it had two
+        sharers, or freed nothing. Returns the blocks freed. O(depth * nodes inside a
+        block)."""
+        freed = 0
+        while not node.is_root:
+            freed += self._borrow_boundary_block(node)
+            node = node.parent
+        return freed
+
     def _frees_nothing(self, leaf: RadixNode) -> bool:
         """A leaf whose only block is the one it shares with a locked parent."""
         return (len(leaf.block_ids) == 1 and leaf.start % self.block_size != 0

@@ -492,7 +492,7 @@ class KVBackendManager(KVCacheManager):
             # every new block has sliding-window pages; only the step's last one state pages
             num_paged = num_new if self.states is None else min(num_new, 1)
             cost = self._cost(num_new, num_paged)
-            if cost > headroom and not self._room_after_dropping_copies(cost, margin):
+            if cost > headroom and not self._room_after_dropping_copies(seq, cost, margin):
                 return None
             new_block_ids = allocated = self.cache.extend(
                 seq, max(total, seq.num_tokens), extra_blocks=self._pages_for(num_paged))
@@ -750,13 +750,14 @@ class KVBackendManager(KVCacheManager):
         for block_id in accessed:
             collector.on_block_accessed(KVCacheBlock(block_id))
 
-    def _room_after_dropping_copies(self, num_blocks: int, margin: int) -> bool:
+    def _room_after_dropping_copies(self, seq: Sequence, num_blocks: int, margin: int) -> bool:
         """Whether ``num_blocks`` fit (``margin`` kept) once cached prefixes free the
-        blocks their continuations copied (``PrefixCache.drop_redundant_copies``): a
-        request's own locked path may hold them, which would preempt it although its
-        blocks fit the pool. (At admission ``open_sequence`` drops them itself, after it
-        locked the match.) O(candidates)."""
-        self.cache.drop_redundant_copies()
+        blocks their continuations copied (``PrefixCache.drop_redundant_copies``, the
+        nodes on ``seq``'s locked path included): a request's own locked path may hold
+        them, which would preempt it although its blocks fit the pool. (At admission
+        ``open_sequence`` drops them itself, after it locked the match.) O(candidates +
+        depth * nodes inside a block)."""
+        self.cache.drop_redundant_copies(seq)
         return num_blocks <= self.cache.num_allocatable_blocks - margin
 
     def _checkpoint_written_this_step(self, match: PrefixMatch) -> bool:
