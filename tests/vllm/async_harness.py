@@ -14,9 +14,11 @@ appended ids otherwise), then the step's block copies, then every scheduled
 token's KV write, then every read. A KV slot holds the id of the token prefix
 whose KV it stores (``PrefixIds``: one int per distinct prefix, exact, no hash),
 in a real KV tensor (vLLM's CPU layout). A scheduled request reads every position
-before its last scheduled one; each must hold that request's own prefix (except a
-block whose synchronous load failed in that very step: vLLM must then discard the
-step's output, which here is ``POISON``, a token ``deliver`` refuses), so any hit on
+before its last scheduled one; each must hold that request's own prefix (except in a
+block whose synchronous load for that very request failed, before vLLM learns of it
+from the step's output: vLLM must then discard the request's output, which here is
+``POISON``, a token ``deliver`` refuses; under async scheduling the request's next step,
+scheduled before that output, reads it too), so any hit on
 a block that was not (yet) written, was overwritten by another request, or copied
 before it was written fails at once. Sampled tokens are a fixed function of
 (request, position), so the tokens the scheduler appends later are the ones the
@@ -40,13 +42,15 @@ group's slots from ``start - window + 1`` on only (its table holds vLLM's null b
 before the request's window). ``check_published`` checks the window pages that
 published blocks still have.
 
-With kvbackend's tiers configured, the worker-role tier connector (real
-``TierWorker``, ``HostTier``, ``DiskTier``) moves those bytes in the model runner's
-order: loads before the forward pass when the step has synchronous ones, else after
-it; saves after it; then finished loads and load errors into the step's
-``KVConnectorOutput``. ``check_published``, after every step and every output,
+With a KV connector configured, its worker-role side (kvbackend's tiers: real
+``TierWorker``, ``HostTier``, ``DiskTier``; or ``StoreConnector``) moves those bytes in
+the model runner's order: loads before the forward pass when the step has synchronous
+ones, else after it; saves after it; then finished loads and load errors into the
+step's ``KVConnectorOutput``. ``check_published``, after every step and every output,
 matches every request's tokens against the prefix tree and checks each published
 slot holds that prefix: no block of a failed load is ever published.
+``StoreConnector`` stands for a connector that loads outside the step order: no block
+it loads into may be one a step still in flight uses (checked as it is scheduled).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.scheduler import KVBackendScheduler
+from tests.vllm.store_connector import StoreConnector, StoreMetadata
 
 MAX_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling (no PP)
 VOCAB = 50
@@ -150,6 +155,8 @@ class ContentWorker:
         self.requests: dict[str, _WorkerRequest] = {}
         self.prompts: dict[str, list[int]] = {}
         self.connector = connector
+        # block -> the request whose load of it failed, until a step writes it again
+        self.unloaded: dict[int, str] = {}
         if connector is not None:  # the sliding-window group's layer shares the tensor
             connector.register_kv_caches({"attn": self.kv, **({"swa": self.kv} if window
                                                               else {})})
@@ -194,6 +201,8 @@ class ContentWorker:
             self.requests[new.req_id] = _WorkerRequest(self.prompts[new.req_id],
                                                        *map(list, new.block_ids))
             starts[new.req_id] = new.num_computed_tokens
+            for block_id in new.block_ids[0]:  # handed out again, or a hit (checked below)
+                self.unloaded.pop(block_id, None)
         for i, request_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if request_id in cached.resumed_req_ids:
@@ -231,6 +240,7 @@ class ContentWorker:
             if out.has_sync_kv_loads:
                 connector.start_load_kv(None)
                 failed = connector.get_block_ids_with_load_errors()
+                self._record_failed_loads(failed)
         computed = self._verify_drafts(out, starts)
         written: dict[tuple[int, int], str] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
@@ -246,6 +256,7 @@ class ContentWorker:
                         f"step writes slot {slot} for {written[slot]} and {request_id}")
                     if self.states is not None:  # a state page is a pool block too
                         self.states.pop(slot[0], None)
+                    self.unloaded.pop(slot[0], None)
                     self.kv[:, slot[0], :, slot[1]] = (self.prefix_id(request_id, p)
                                                        if p < valid else GARBAGE)
         for request_id in out.num_scheduled_tokens:  # attention reads whole blocks, masked
@@ -259,7 +270,8 @@ class ContentWorker:
             for blocks, first in zip(self._attention_tables(request_id),
                                      (0, max(0, starts[request_id] - (self.window or 0) + 1))):
                 for p in range(first, computed[request_id][1]):
-                    if blocks[p // bs] in failed:
+                    if self.unloaded.get(blocks[p // bs]) == request_id:
+                        # its own failed load, before vLLM learns of it from the output
                         poisoned.add(request_id)
                         continue
                     held = self.slot(blocks[p // bs], p % bs)
@@ -273,12 +285,33 @@ class ContentWorker:
             connector.start_load_kv(None)
         connector.wait_for_save()
         transfers = connector.get_transfer_results(out.finished_req_ids)
-        failed |= connector.get_block_ids_with_load_errors()
+        late = connector.get_block_ids_with_load_errors()
+        self._record_failed_loads(late)
+        failed |= late
         result = KVConnectorOutput(finished_recving=transfers.finished_recving,
                                    failed_recving=transfers.failed_recving,
                                    invalid_block_ids=failed)
         connector.clear_connector_metadata()
         return computed, poisoned, None if result.is_empty() else result
+
+    def blocks_used(self, out: SchedulerOutput) -> set[int]:
+        """The blocks step ``out`` reads or writes (after ``execute(out)``). O(blocks)."""
+        used = {block_id for request_id in out.num_scheduled_tokens
+                for table in (self.requests[request_id].blocks, self.requests[request_id].second)
+                for block_id in table}
+        for copy in out.kv_cache_block_copies or ():
+            used |= {copy.src_block_id, copy.dst_block_id}
+        return used - {0}
+
+    def _record_failed_loads(self, block_ids: set[int]) -> None:
+        """Remember the running request whose table holds each failed block (a request
+        waiting for an asynchronous load is not running: it reads nothing before vLLM
+        learns of the failure)."""
+        for block_id in block_ids:
+            owner = next((request_id for request_id, r in self.requests.items()
+                          if block_id in r.blocks), None)
+            if owner is not None:
+                self.unloaded[block_id] = owner
 
     def _attention_tables(self, request_id: str) -> list[list[int]]:
         """The request's full-attention table, and its sliding-window one with ``window``."""
@@ -334,7 +367,7 @@ def tier_gb(vllm_config, num_blocks: int) -> float:
 class AsyncHarness:
     """kvbackend's async scheduler, a ``ContentWorker`` and the outputs in flight.
     ``tiers``: the tier connector's settings (``kv_connector_extra_config``) when
-    ``vllm_config`` selects it."""
+    ``vllm_config`` selects it; any connector it selects gets its worker side."""
 
     def __init__(self, vllm_config, *, num_blocks: int, tiers: dict | None = None,
                  state_layers: bool = False, window: int | None = None, seed: int = 0) -> None:
@@ -359,16 +392,20 @@ class AsyncHarness:
         self.scheduler = KVBackendScheduler(
             vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
             structured_output_manager=StructuredOutputManager(vllm_config))
-        connector = None if tiers is None else KVConnectorFactory.create_connector(
-            vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        connector = None if vllm_config.kv_transfer_config is None else (
+            KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER,
+                                                kv_cache_config))
         rng = random.Random(seed)  # how many of a step's drafts the model accepts
         self.worker = ContentWorker(block_size, num_blocks, connector, state_layers,
                                     accept=lambda request_id, position, drafts: rng.randint(
                                         0, drafts),
                                     max_drafts=vllm_config.num_speculative_tokens,
                                     window=window)
+        if isinstance(connector, StoreConnector):
+            connector.prefixes = self.worker.prefixes
         self.requests: dict[str, Request] = {}
-        self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        # steps run, their outputs not delivered yet, with the blocks each used
+        self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput, set[int]]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int,
@@ -384,6 +421,12 @@ class AsyncHarness:
         """Schedule and run one step; its output waits in ``in_flight``."""
         assert len(self.in_flight) < self.max_in_flight
         out = self.scheduler.schedule()
+        if isinstance(out.kv_connector_metadata, StoreMetadata):  # it loads out of step order
+            loaded = {b for load in out.kv_connector_metadata.loads for b in load.block_ids}
+            for step, _, used in self.in_flight:
+                assert not loaded & used, (
+                    f"blocks {sorted(loaded & used)} are loaded into while step "
+                    f"{step.num_scheduled_tokens} still in flight uses them")
         computed, poisoned, connector_output = self.worker.execute(out)
         ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -398,13 +441,14 @@ class AsyncHarness:
                                 for p in range(first_draft, valid + 1)])
         self.in_flight.append((out, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled, kv_connector_output=connector_output)))
+            sampled_token_ids=sampled, kv_connector_output=connector_output),
+            self.worker.blocks_used(out)))
         self.check_published()
         return out
 
     def deliver(self) -> None:
         """Feed back the oldest step's output, as the engine core does."""
-        out, result = self.in_flight.pop(0)
+        out, result, _ = self.in_flight.pop(0)
         self.scheduler.update_from_output(out, result)
         self.check_published()
         for request_id in out.num_scheduled_tokens:
