@@ -18,7 +18,9 @@ empty. A connector that reads them is refused at start (``connector_refusals``):
 
 kvbackend's own tiers plus another connector run under vLLM's ``MultiConnector``
 (``compose``): the tier connector first, so a request loads from host/disk/remote when
-they hold more than the local hit, else from the other connector; both save.
+they hold more than the local hit, else from the other connector; both save. Under
+async scheduling a connector that loads may do so outside the step order: the manager
+keeps its loads off the blocks a step in flight uses (``step_fence.py``).
 """
 
 from __future__ import annotations

@@ -39,11 +39,13 @@ a partial device tail, so no copy-on-write block is ever overwritten by a
 load). They count as computed once loaded, but a load can fail (a missing or
 corrupted block), and vLLM learns that only after the step ran. So a request
 that loads is *not* published to the tree in its admission step. A synchronous
-load (synchronous scheduling only, see below) is published by the request's next
-``allocate_slots`` (or ``free``), after its step's output: vLLM has by then cut
+load is published once its step's output is in (``load_step``; the scheduler
+counts steps, ``StepFence``): by the request's next ``allocate_slots`` or
+``cache_blocks`` after that output, or ``free``. vLLM has by then cut
 ``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
-the same blocks. An asynchronous load (``delay_cache_blocks``: a remote hit, any
+the same blocks. (Under async scheduling the request's next step is scheduled
+before that output: nothing is published then.) An asynchronous load (``delay_cache_blocks``: a remote hit, any
 tier hit under async scheduling, or another connector's load; the request waits in
 WAITING_FOR_REMOTE_KVS) is published by ``cache_blocks``, which vLLM calls with
 the tokens known good once the workers report it done (or ``free`` if none are);
@@ -173,13 +175,15 @@ attention that reads it. Hence:
   run. Sources are released when the next step is scheduled: a block handed
   out again then is written by a later step, after the copy.
 - *frees*: a request freed (finished, aborted, preempted) while step N still
-  writes its blocks returns them at once, as vLLM does: whoever gets them
-  writes in step N+1 or later, after step N's writes. vLLM defers frees
-  (``pop_blocks_for_free``, not served) for every connector whose
-  ``kv_role`` loads, since one may load outside the step order (NIXL); such
-  connectors are refused with async scheduling at start, except kvbackend's
-  tier connector, whose loads run in the order of the steps that carry them
-  (``KVBackendAsyncScheduler`` turns ``defer_block_free`` off).
+  writes its blocks returns them at once: whoever computes into them writes in
+  step N+1 or later, after step N's writes. A KV connector that loads may fill
+  its blocks outside the step order (its own stream), so vLLM defers every free
+  for one (``pop_blocks_for_free``). kvbackend keeps only the loads apart
+  (``step_fence.py``): an admission whose load would fill a block a step in
+  flight still uses (a freed request's table, a copy's source) waits a step.
+  Deferring every free, as vLLM does, starved a request needing most of the
+  pool: its partial hit's copy source came back a step too late for its next
+  block. kvbackend's own tier connector loads in step order: not fenced.
 - *tier loads* (kvbackend's host/disk/remote tiers): a load fails (a rotted or
   evicted disk file) and vLLM learns it with the step's output, after step N+1
   was scheduled. A synchronous load would let step N+1 compute on it (vLLM 0.32
@@ -235,8 +239,8 @@ when vLLM adds a public member that this table does not name):
     evict_blocks                       overridden  checks no failed block is published
     remove_skipped_blocks              overridden  stops holding the window pages a
                                                    request's windows left (above)
-    pop_blocks_for_free                overridden  deferred frees: refused (only for
-                                                   connectors loading out of step order)
+    pop_blocks_for_free                overridden  raises: vLLM's deferral stays off
+                                                   (loads out of step order: StepFence)
     finalize_partial_tail_offloads     overridden  Mamba "align" tail hand-offs to a
                                                    connector: none (refused together)
     get_computed_blocks_for_connector  overridden  get_computed_blocks: one logical block
@@ -290,6 +294,7 @@ from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.request_options import request_options
 from kvbackend.vllm.state_checkpoints import StateCheckpoints
 from kvbackend.vllm.state_pages import StatePages
+from kvbackend.vllm.step_fence import StepFence
 from kvbackend.vllm.step_writes import StepWrites
 
 logger = logging.getLogger(__name__)
@@ -305,6 +310,7 @@ class _TrackedRequest:
     match: PrefixMatch | None = None  # from get_computed_blocks, consumed at admission
     num_published: int = 0  # tokens handed to the tree so far
     loading: bool = False  # an asynchronous load not yet reported: nothing published
+    load_step: int = 0  # the step of a synchronous load (0: none); published once it ran
     load_end: int = 0  # hybrids: the end of a connector's load, a checkpoint once good
     priority: int = 0
     pin: bool = False
@@ -320,7 +326,7 @@ class KVBackendManager(KVCacheManager):
 
     def __init__(self, *args: Any, backend_config: KVBackendConfig,
                  kv_events: BlockEvents | None = None, free_group_pages: bool = True,
-                 **kwargs: Any) -> None:
+                 fence_loads: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
@@ -365,6 +371,9 @@ class KVBackendManager(KVCacheManager):
             if self.state_groups:
                 self.checkpoints = StateCheckpoints(self.block_size, self.groups.num_logical)
         self._check_max_model_len()
+        # The scheduler counts steps; with a KV connector loading out of step order under
+        # async scheduling, no load fills a block a step in flight uses
+        self.steps = StepFence(self.cache.pool.num_blocks, track=fence_loads)
         # A pool block may serve another group than before: vLLM's workers zero the new
         # attention blocks of such models (stale state bytes may read as NaN)
         self._zero_new_blocks = bool(self.groups.num_paged_groups
@@ -481,6 +490,12 @@ class KVBackendManager(KVCacheManager):
             seq = self._open_sequence(request.request_id, tracked, match, total, start, paged)
             if seq is None:
                 return None
+            loaded = seq.block_ids[(computed - num_external_computed_tokens) // self.block_size:
+                                   computed // self.block_size]
+            if self.steps.busy(loaded):  # the load may run out of step order: a step later
+                self.cache.release(seq)
+                tracked.sequence = None
+                return None
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
             copied = match.num_partial_tokens  # slots this step's copy writes
             self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
@@ -518,7 +533,10 @@ class KVBackendManager(KVCacheManager):
             first_written)
         tracked.loading = delay_cache_blocks
         tracked.load_end = computed if num_external_computed_tokens else 0
-        if not num_external_computed_tokens:  # else: published once the load is known good
+        if num_external_computed_tokens and not delay_cache_blocks:
+            tracked.load_step = self.steps.next_step
+        if not (num_external_computed_tokens or self._load_pending(tracked)):
+            # (a load is published once known good)
             self._scheduled[request.request_id] = (request, min(end, request.num_tokens), end)
         first_in_window = tracked.window_start if new_block_ids is seq.block_ids else 0
         return self._as_blocks(new_block_ids, first_in_window)
@@ -529,6 +547,8 @@ class KVBackendManager(KVCacheManager):
         tracked = self._requests.get(request.request_id)
         if tracked is not None and tracked.sequence is not None:
             tracked.loading = False
+            if self._load_pending(tracked):  # a synchronous load's step is in flight
+                return
             self._publish(request, tracked, min(num_computed_tokens, request.num_tokens))
             if self.checkpoints is not None and 0 < tracked.load_end == num_computed_tokens:
                 # a load ends on a checkpoint (the tier planner's hits do), now known good
@@ -546,19 +566,19 @@ class KVBackendManager(KVCacheManager):
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None or tracked.sequence is None:
             return
-        if not tracked.loading:  # aborted while its load ran: its tokens may be bad
+        if not self._load_pending(tracked):  # else freed while its load ran: may be bad
             self._publish(request, tracked, request.num_computed_tokens, force=True)
         if self.windows is not None:
             self.windows.unhold(tracked.sequence.block_ids[tracked.window_start:])
         if self.states is not None:
             self.states.release(request.request_id)
         retain_s = tracked.retain_s if tracked.cacheable and request.is_finished() else 0
+        self.steps.used(tracked.sequence.block_ids, self.steps.scheduled)
         self.cache.release(tracked.sequence, retain_s=retain_s)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        raise NotImplementedError("deferred block frees serve KV connectors that load outside "
-                                  "the step order under async scheduling or pipeline "
-                                  "parallelism, which kvbackend refuses at start-up")
+        raise NotImplementedError("kvbackend defers its frees itself (``StepFence``): vLLM's "
+                                  "deferral stays off (``Scheduler.defer_block_free``)")
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Blocks whose external load failed (``kv_load_failure_policy="fail"``).
@@ -640,7 +660,9 @@ class KVBackendManager(KVCacheManager):
         its forward pass (their source blocks stay held until the next step starts), and
         the state checkpoints due. O(copies * groups), plus ``_publish_scheduled``'s."""
         self._publish_scheduled()
-        copies = self.groups.copies((c.src, c.dst) for c in self.cache.take_block_copies())
+        taken = self.cache.take_block_copies()
+        self.steps.used((c.src for c in taken), self.steps.next_step)  # (dst: a table's)
+        copies = self.groups.copies((c.src, c.dst) for c in taken)
         if self.checkpoints is not None:
             physical = self.groups.physical
             copies += [KVCacheBlockCopy(physical(src, g), physical(dst, g))
@@ -691,6 +713,11 @@ class KVBackendManager(KVCacheManager):
             tracked.cacheable = not request.mm_features and request.prompt_embeds is None
             self._requests[request.request_id] = tracked
         return tracked
+
+    def _load_pending(self, tracked: _TrackedRequest) -> bool:
+        """Whether a load of the request is not known good yet: an asynchronous one not
+        reported, or a synchronous one whose step has not run (async scheduling)."""
+        return tracked.loading or not self.steps.has_run(tracked.load_step)
 
     def _match_clear_of_drafts(self, tokens, namespace, limit: int) -> PrefixMatch:
         """The longest match of ``tokens`` up to ``limit``. With an EAGLE / MTP drafter, whose

@@ -20,6 +20,8 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheConfig,
     MambaSpec, RSWASpec, SlidingWindowSpec,
 )
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from kvbackend.vllm.config import ADDITIONAL_CONFIG_KEY, KVBackendConfig
@@ -65,12 +67,6 @@ def unsupported_features(config: VllmConfig,
         "decode/prefill context parallelism": (
             parallel.decode_context_parallel_size > 1
             or getattr(parallel, "prefill_context_parallel_size", 1) > 1),
-        # vLLM then defers block frees (pop_blocks_for_free), see the manager's docstring;
-        # kvbackend's own tier connector loads in step order and needs no deferral.
-        "async scheduling together with a KV connector that loads (kv_role kv_consumer or "
-        "kv_both; pass --no-async-scheduling)":
-            bool(sched.async_scheduling) and any(
-                c.is_kv_consumer and not is_tier_connector(c) for c in child_configs(transfer)),
         "encoder-decoder models": model.is_encoder_decoder,
         # vLLM picks its DiffusionScheduler only when no scheduler class is set.
         "diffusion models (they need vLLM's DiffusionScheduler)":
@@ -140,6 +136,7 @@ class KVBackendScheduler(Scheduler):
         if refused:
             raise ValueError("kvbackend cannot serve this configuration: " + "; ".join(refused))
         extra = self.vllm_config.additional_config or {}
+        tiers_only = all(map(is_tier_connector, child_configs(self.vllm_config.kv_transfer_config)))
         backend_config = KVBackendConfig.from_dict(extra.get(ADDITIONAL_CONFIG_KEY))
         self.kv_cache_manager = KVBackendManager(
             kv_cache_config=self.kv_cache_config,
@@ -154,15 +151,32 @@ class KVBackendScheduler(Scheduler):
             num_prefill_lookahead=self.num_prefill_lookahead,
             backend_config=backend_config,
             # another connector reads whole block tables: every group keeps every block
-            free_group_pages=all(map(is_tier_connector, child_configs(
-                self.vllm_config.kv_transfer_config))),
+            free_group_pages=tiers_only,
+            # vLLM defers frees for every connector that loads; kvbackend keeps those
+            # loads off blocks a step in flight uses (its tiers load in step order)
+            fence_loads=self.defer_block_free and not tiers_only,
             kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo, self.block_size,
                                   event_groups(self.kv_cache_config))
             if self.enable_kv_cache_events else None,
         )
+        self.defer_block_free = False  # vLLM's deferral reads its own block pool
         if self.connector is not None:  # kvbackend's tiers and/or a connector checked above
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
             self.kv_cache_manager.tier_hit_sources = self.connector.get_external_cache_hit_sources
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """vLLM's; the manager counts the steps that schedule tokens (``StepFence``)."""
+        out = super().schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens:
+            self.kv_cache_manager.steps.step_scheduled()
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, Any]:
+        """vLLM's, once the manager knows the step ran (its held frees go back first)."""
+        if scheduler_output.total_num_scheduled_tokens:
+            self.kv_cache_manager.steps.step_processed()
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def add_request(self, request: Request) -> None:
         """vLLM's, then, for a new request that will wait (others queue ahead of it, or
@@ -182,9 +196,3 @@ class KVBackendAsyncScheduler(KVBackendScheduler, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with kvbackend's KV-cache manager (see the manager's
     docstring for what "computed" means while a step is in flight)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # vLLM defers block frees for any connector that loads (``pop_blocks_for_free``,
-        # not served); the only one served here is kvbackend's tier connector (others are
-        # refused above), whose loads run in step order: frees need no deferral.
-        self.defer_block_free = False

@@ -96,11 +96,10 @@ def config(tiny_model):
                       block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
 
 
-def with_connector(config, async_scheduling: bool = False, **transfer):
+def with_connector(config, **transfer):
     config = copy.copy(config)
     config.kv_transfer_config = KVTransferConfig(**transfer)
     config.scheduler_config = copy.copy(config.scheduler_config)
-    config.scheduler_config.async_scheduling = async_scheduling
     config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as vLLM sets it
     return config
 
@@ -120,23 +119,6 @@ def test_connectors_that_read_vllms_block_hashes_or_pool_are_refused(config, tmp
     assert connector_refusals(KVTransferConfig(**simple)) == [
         "KV connector SimpleCPUOffloadConnector: it reads vLLM's block pool or KV-cache manager "
         "internals (bind_gpu_block_pool), which kvbackend leaves unused"]
-
-
-def test_async_scheduling_is_refused_with_a_connector_that_loads(config, tmp_path):
-    """Other than kvbackend's tier connector (its loads run in step order), alone or
-    composed after the tiers."""
-    example = example_connector(str(tmp_path))
-    refused = ["async scheduling together with a KV connector that loads (kv_role "
-               "kv_consumer or kv_both; pass --no-async-scheduling)"]
-    assert unsupported_features(with_connector(config, True, **example)) == refused
-    saving_only = {**example, "kv_role": "kv_producer"}  # its saves run inside the step
-    assert unsupported_features(with_connector(config, True, **saving_only)) == []
-    tiers = engine_kwargs(host_cache_gb=1)["kv_transfer_config"]
-    assert unsupported_features(with_connector(config, True, **tiers)) == []
-    assert unsupported_features(with_connector(config, True, **compose(tiers, example))) == (
-        refused)
-    assert unsupported_features(
-        with_connector(config, True, **compose(tiers, saving_only))) == []
 
 
 def test_compose_puts_the_tier_connector_first_and_flattens_a_multi_connector(tmp_path):

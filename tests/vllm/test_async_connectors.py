@@ -1,0 +1,128 @@
+"""kvbackend under async scheduling with a KV connector that loads outside the step order.
+
+vLLM defers block frees for every connector that loads (``Scheduler.defer_block_free``):
+such a connector may fill a block handed out in step N+1 while step N still uses it.
+kvbackend frees at once and keeps such loads off the blocks a step in flight uses
+(``StepFence``). ``StoreConnector``
+(``store_connector.py``) loads stored prompts synchronously or not, and some loads fail;
+``AsyncHarness`` checks that it never loads into a block a step in flight still uses,
+every read of every step, and that the tree never lists a load not known good.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.v1.request import RequestStatus
+
+from kvbackend.vllm import engine_kwargs
+from kvbackend.vllm.connectors import compose
+from kvbackend.vllm.scheduler import unsupported_features
+from tests.vllm.async_harness import AsyncHarness, async_config
+from tests.vllm.store_connector import store_transfer_config
+from tests.vllm.test_async_scheduling import PREFIXES
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 10
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model):
+    return async_config(tiny_model, block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+                        max_num_seqs=3)
+
+
+def with_store(config, prompts, async_scheduling: bool = True, **store):
+    config = copy.deepcopy(config)
+    config.kv_transfer_config = KVTransferConfig(**store_transfer_config(prompts, **store))
+    config.scheduler_config.async_scheduling = async_scheduling
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as vLLM sets it
+    return config
+
+
+def test_only_connectors_that_load_out_of_step_order_are_fenced(config):
+    """A loading connector under async scheduling, alone or after the tiers; not the tiers
+    (their loads run in step order), not without async scheduling, not a saving-only one.
+    vLLM's own deferral stays off: it would free into vLLM's unused block pool."""
+    store = store_transfer_config(PREFIXES)
+    tiers = engine_kwargs(host_cache_gb=1)["kv_transfer_config"]
+    cases = [(store, True, True), (compose(tiers, store), True, True), (store, False, False),
+             (tiers, True, False), ({**store, "kv_role": "kv_producer"}, True, False)]
+    for transfer, async_scheduling, fenced in cases:
+        chosen = copy.deepcopy(config)
+        chosen.kv_transfer_config = KVTransferConfig(**transfer)
+        chosen.scheduler_config.async_scheduling = async_scheduling
+        chosen.scheduler_config.disable_hybrid_kv_cache_manager = True
+        assert unsupported_features(chosen) == []
+        scheduler = AsyncHarness(chosen, num_blocks=NUM_BLOCKS).scheduler
+        assert scheduler.kv_cache_manager.steps.track is fenced, transfer
+        assert scheduler.defer_block_free is False
+
+
+def test_a_load_waits_for_the_step_in_flight_that_uses_its_blocks(config):
+    """local-r's first chunk (4 blocks) runs in step 1; it is aborted while that step is
+    in flight, and its blocks are free at once. l loads 6 blocks from the store and needs
+    7 in all, more than the 5 never used: given local-r's blocks in step 2, its load would
+    fill one while step 1 still writes it. It is admitted in step 3, once step 1 ran."""
+    prompt = list(range(100, 128))
+    harness = AsyncHarness(with_store(config, [prompt]), num_blocks=NUM_BLOCKS)
+    manager = harness.scheduler.kv_cache_manager
+    harness.add("local-r", list(range(200, 232)), max_tokens=2)
+    harness.schedule()  # step 1: local-r's first 16 tokens
+    harness.abort("local-r")
+    assert manager.cache.num_allocatable_blocks == NUM_BLOCKS - 1
+    harness.add("l", prompt, max_tokens=2)
+    assert not harness.schedule().num_scheduled_tokens  # step 2: l waits
+    harness.deliver()  # step 1's output
+    out = harness.schedule()
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("l", 24)]
+    harness.run_to_end()
+    manager.steps.check_invariants()
+
+
+def test_a_request_needing_almost_every_block_is_not_starved(config):
+    """r1 needs 8 of the 9 blocks; r2's load fails. Holding every freed block back until
+    the step in flight ran (as vLLM defers its frees) preempted r1 whenever it resumed
+    with a partial hit: its copy's source came back a step too late for r1's next block
+    (unfinished after 200 steps). Only loads wait now; computing requests take the blocks."""
+    harness = AsyncHarness(with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
+                                      policy="fail"), num_blocks=NUM_BLOCKS)
+    harness.add("r0", PREFIXES[0], max_tokens=1)
+    harness.run_to_end()
+    assert harness.scheduler.kv_cache_manager.reset_prefix_cache()
+    harness.add("r1", PREFIXES[0] + [0] * 9, max_tokens=11)
+    harness.add("r2", PREFIXES[0], max_tokens=1)
+    harness.add("r3", PREFIXES[1], max_tokens=1)
+    harness.run_to_end()
+    assert harness.requests["r1"].num_output_tokens == 11
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_synchronous_load_is_published_only_once_its_step_ran(config, fails):
+    """l loads two blocks synchronously in step 1 and decodes in step 2, scheduled before
+    step 1's output. local-s, admitted in step 2 with the same prompt, must not hit the
+    loaded blocks: the load may have failed (``fails``: then l fails, as vLLM's
+    ``kv_load_failure_policy="fail"`` says, and the tree never lists its load). Once the
+    load is known good, local-t hits it."""
+    prompt = list(range(100, 109))
+    harness = AsyncHarness(with_store(config, [prompt], fail_every=int(fails), policy="fail"),
+                           num_blocks=NUM_BLOCKS)
+    manager = harness.scheduler.kv_cache_manager
+    harness.add("l", prompt, max_tokens=3)
+    out = harness.schedule()  # step 1: l loads 8 tokens, computes its last
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("l", 8)]
+    harness.add("local-s", prompt + [1], max_tokens=1)
+    hits = manager.hit_tokens
+    out = harness.schedule()  # step 2: l decodes; local-s is admitted
+    assert [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [
+        ("local-s", 0)]
+    assert manager.hit_tokens == hits
+    harness.deliver()  # step 1's output: the load failed or not
+    harness.run_to_end()
+    assert (harness.requests["l"].status == RequestStatus.FINISHED_ERROR) is fails
+    harness.add("local-t", prompt + [2], max_tokens=1)
+    hits = manager.hit_tokens
+    harness.run_to_end()
+    assert manager.hit_tokens - hits == len(prompt)  # from l's load, or local-s's own KV
