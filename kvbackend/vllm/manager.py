@@ -642,6 +642,15 @@ class KVBackendManager(KVCacheManager):
             self.miss_log.write(request.request_id, lambda n: sources(request, n))
 
     # ----------------------------------------------------------- read-outs
+    def blocks_to_complete(self, request_id: str, num_tokens: int) -> int:
+        """Pool blocks the request still needs to hold ``num_tokens`` tokens (pages in
+        other groups included); 0 while it holds none. O(1)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.sequence is None:
+            return 0
+        return self._cost(max(0, cdiv(num_tokens, self.block_size)
+                              - len(tracked.sequence.block_ids)))
+
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's block table. O(blocks)."""
         tracked = self._requests.get(request_id)

@@ -173,10 +173,23 @@ class KVBackendScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, Any]:
-        """vLLM's, once the manager knows the step ran (its held frees go back first)."""
+        """vLLM's, once the manager knows the step ran (its synchronous loads are then
+        reported)."""
         if scheduler_output.total_num_scheduled_tokens:
             self.kv_cache_manager.steps.step_processed()
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _request_remaining_blocks(self, request: Request) -> int:
+        """The blocks an in-flight prefill still needs, which vLLM reserves before it admits
+        an asynchronous load. vLLM asks its own coordinator, which kvbackend leaves empty:
+        it would reserve every such request's whole sequence. A request that holds no
+        blocks reserves none: vLLM keeps one whose asynchronous load failed outright
+        among its in-flight prefills once it freed it, and its reserve would then count
+        against its own admission again (which never fit in a small pool)."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        if self.num_spec_tokens:
+            num_tokens += 1 + self.num_spec_tokens + self.num_lookahead_tokens
+        return self.kv_cache_manager.blocks_to_complete(request.request_id, num_tokens)
 
     def add_request(self, request: Request) -> None:
         """vLLM's, then, for a new request that will wait (others queue ahead of it, or

@@ -126,3 +126,29 @@ def test_a_synchronous_load_is_published_only_once_its_step_ran(config, fails):
     hits = manager.hit_tokens
     harness.run_to_end()
     assert manager.hit_tokens - hits == len(prompt)  # from l's load, or local-s's own KV
+
+
+def test_an_in_flight_prefill_reserves_only_the_blocks_it_lacks(config):
+    """vLLM reserves the blocks in-flight prefills still need before it admits an
+    asynchronous load; it read them from its own coordinator, which kvbackend leaves
+    empty, and so reserved local-a's whole sequence (8 blocks), not the 4 it lacks."""
+    harness = AsyncHarness(with_store(config, PREFIXES), num_blocks=NUM_BLOCKS)
+    harness.add("local-a", list(range(100, 130)), max_tokens=1)
+    harness.schedule()  # its first 16 tokens: 4 blocks
+    request = harness.scheduler.requests["local-a"]
+    assert harness.scheduler._request_remaining_blocks(request) == 8 - 4
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_request_whose_asynchronous_load_failed_outright_is_admitted_again(
+        config, async_scheduling):
+    """r2 loads one block asynchronously, which fails (the next load does not): vLLM frees
+    r2 and admits it again as a new request, but keeps it among its in-flight prefills,
+    whose reserve then counted against its own admission: 5 of the 9 blocks for its
+    whole sequence, plus 5 to admit it (never admitted). It holds no blocks then, so it
+    reserves none."""
+    harness = AsyncHarness(with_store(config, [[1, 2, 3, 4]], async_scheduling,
+                                      fail_every=2, sync_ids="none"), num_blocks=NUM_BLOCKS)
+    harness.add("r2", [1, 2, 3, 4] + list(range(10, 26)), max_tokens=1)
+    harness.run_to_end()
+    assert harness.requests["r2"].num_output_tokens == 1

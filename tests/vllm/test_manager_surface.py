@@ -49,3 +49,24 @@ def test_the_table_says_which_members_are_overridden():
     wrong = {name: kind for name, kind in surface_table().items()
              if (name in ours) != (kind == "overridden")}
     assert not wrong, f"the table is wrong about these members: {wrong}"
+
+
+def test_every_method_kvbackends_schedulers_override_is_still_vllms():
+    """kvbackend's schedulers override some of vLLM's private scheduler methods
+    (``_request_remaining_blocks``): a vLLM upgrade that
+    renames one, or changes its parameters, would leave the override silently unused."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvbackend.vllm.scheduler import KVBackendAsyncScheduler, KVBackendScheduler
+
+    for ours, theirs in ((KVBackendScheduler, Scheduler),
+                         (KVBackendAsyncScheduler, AsyncScheduler)):
+        for name, method in vars(ours).items():
+            if not inspect.isfunction(method) or name.startswith("__"):
+                continue
+            assert hasattr(theirs, name), f"vLLM's scheduler has no {name} any more"
+            vllm_params = list(inspect.signature(getattr(theirs, name)).parameters)
+            our_params = list(inspect.signature(method).parameters)
+            assert our_params == vllm_params or our_params == ["self", "args", "kwargs"], (
+                f"{name}: vLLM's parameters are {vllm_params}, kvbackend's {our_params}")
