@@ -311,6 +311,7 @@ class _TrackedRequest:
     num_published: int = 0  # tokens handed to the tree so far
     loading: bool = False  # an asynchronous load not yet reported: nothing published
     load_step: int = 0  # the step of a synchronous load (0: none); published once it ran
+    load_blocks: list[int] = field(default_factory=list)  # the blocks a connector loads into
     load_end: int = 0  # hybrids: the end of a connector's load, a checkpoint once good
     priority: int = 0
     pin: bool = False
@@ -496,6 +497,7 @@ class KVBackendManager(KVCacheManager):
                 self.cache.release(seq)
                 tracked.sequence = None
                 return None
+            tracked.load_blocks = loaded
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
             copied = match.num_partial_tokens  # slots this step's copy writes
             self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
@@ -640,6 +642,18 @@ class KVBackendManager(KVCacheManager):
         if self.miss_log is not None:
             sources = self.tier_hit_sources or (lambda req, n: {})
             self.miss_log.write(request.request_id, lambda n: sources(request, n))
+
+    def live_failed_loads(self, block_ids: set[int]) -> set[int]:
+        """Those of ``block_ids`` (the failed loads the step that just ran reports, or an
+        asynchronous load's) that a live request loaded into. Under async scheduling a
+        request freed before that report gave its blocks back, and a computing request
+        may hold them now: the report is not about it. O(requests + loaded blocks)."""
+        live = set()
+        for tracked in self._requests.values():
+            if tracked.sequence is not None and (
+                    tracked.loading or tracked.load_step == self.steps.processed):
+                live.update(self.groups.physical(b, 0) for b in tracked.load_blocks)
+        return set(block_ids) & live
 
     # ----------------------------------------------------------- read-outs
     def blocks_to_complete(self, request_id: str, num_tokens: int) -> int:

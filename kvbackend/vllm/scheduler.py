@@ -179,6 +179,16 @@ class KVBackendScheduler(Scheduler):
             self.kv_cache_manager.steps.step_processed()
         return super().update_from_output(scheduler_output, model_runner_output)
 
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
+                               num_scheduled_tokens: dict[str, int]) -> set[str]:
+        """vLLM's, for the failed blocks a live request loaded into. Under async
+        scheduling a request freed before its step's report gave its blocks back (vLLM's
+        deferred frees kept them unused until then; kvbackend hands them to computing
+        requests at once): vLLM would cut back, or fail, their new holder for a load it
+        never made. The tier connector still sees the whole report."""
+        return super()._handle_invalid_blocks(
+            self.kv_cache_manager.live_failed_loads(invalid_block_ids), num_scheduled_tokens)
+
     def _request_remaining_blocks(self, request: Request) -> int:
         """The blocks an in-flight prefill still needs, which vLLM reserves before it admits
         an asynchronous load. vLLM asks its own coordinator, which kvbackend leaves empty:

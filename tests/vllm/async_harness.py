@@ -201,13 +201,13 @@ class ContentWorker:
             self.requests[new.req_id] = _WorkerRequest(self.prompts[new.req_id],
                                                        *map(list, new.block_ids))
             starts[new.req_id] = new.num_computed_tokens
-            for block_id in new.block_ids[0]:  # handed out again, or a hit (checked below)
-                self.unloaded.pop(block_id, None)
+            self._forget_failed_loads(new.block_ids[0])
         for i, request_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             if request_id in cached.resumed_req_ids:
                 self.requests[request_id] = _WorkerRequest(self.prompts[request_id],
                                                            *map(list, new_ids))
+                self._forget_failed_loads(new_ids[0])
             elif new_ids is not None:
                 for table, ids in zip((self.requests[request_id].blocks,
                                        self.requests[request_id].second), new_ids):
@@ -302,6 +302,12 @@ class ContentWorker:
         for copy in out.kv_cache_block_copies or ():
             used |= {copy.src_block_id, copy.dst_block_id}
         return used - {0}
+
+    def _forget_failed_loads(self, table: list[int]) -> None:
+        """A table handed to a new or resumed request: its blocks were handed out again,
+        or are hits (whose slots the reads below check) or loaded again."""
+        for block_id in table:
+            self.unloaded.pop(block_id, None)
 
     def _record_failed_loads(self, block_ids: set[int]) -> None:
         """Remember the running request whose table holds each failed block (a request

@@ -14,6 +14,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
 from vllm.config import KVTransferConfig
 from vllm.v1.request import RequestStatus
 
@@ -22,7 +25,7 @@ from kvbackend.vllm.connectors import compose
 from kvbackend.vllm.scheduler import unsupported_features
 from tests.vllm.async_harness import AsyncHarness, async_config
 from tests.vllm.store_connector import store_transfer_config
-from tests.vllm.test_async_scheduling import PREFIXES
+from tests.vllm.test_async_scheduling import PREFIXES, HarnessMachine
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 10
@@ -128,6 +131,51 @@ def test_a_synchronous_load_is_published_only_once_its_step_ran(config, fails):
     assert manager.hit_tokens - hits == len(prompt)  # from l's load, or local-s's own KV
 
 
+def test_kvbackend_async_scheduling_with_a_loading_connector_stateful(config):
+    """``HarnessMachine`` with the store: every third load fails. Under async scheduling
+    half the requests load synchronously and a failed load fails its request (vLLM 0.32
+    mishandles a recomputed synchronous load there: the request's step scheduled before
+    the failure is known appends a token to its cut-back tokens); with synchronous
+    scheduling a failed load is recomputed."""
+    configs = {"async": with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
+                                   policy="fail"),
+               "sync": with_store(config, PREFIXES, async_scheduling=False, fail_every=3,
+                                  sync_ids="odd")}
+
+    class StoreMachine(HarnessMachine):
+        @initialize(mode=st.sampled_from(["async", "async", "sync"]), seed=st.integers(0, 99))
+        def start(self, mode, seed):
+            chosen = copy.deepcopy(configs[mode])
+            chosen.kv_transfer_config.kv_connector_extra_config["seed"] = seed
+            self.harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+
+        @rule(steps=st.integers(1, 8))
+        def run_pipelined(self, steps):
+            """Keep the batch queue full for ``steps`` steps, as the engine core does."""
+            harness = self.harness
+            for _ in range(steps):
+                if len(harness.in_flight) == harness.max_in_flight:
+                    harness.deliver()
+                if harness.scheduler.has_unfinished_requests():
+                    harness.schedule()
+
+        @rule()
+        def drop_the_device_cache(self):
+            """Prompts seen before then load from the store."""
+            self.harness.run_to_end()
+            assert self.harness.scheduler.kv_cache_manager.reset_prefix_cache()
+
+        @invariant()
+        def cache_and_fence_are_consistent(self):
+            manager = self.harness.scheduler.kv_cache_manager
+            manager.cache.check_invariants()
+            manager.steps.check_invariants()
+
+    StoreMachine.TestCase.settings = settings(StoreMachine.TestCase.settings,
+                                              max_examples=300, stateful_step_count=30)
+    StoreMachine.TestCase().runTest()
+
+
 def test_an_in_flight_prefill_reserves_only_the_blocks_it_lacks(config):
     """vLLM reserves the blocks in-flight prefills still need before it admits an
     asynchronous load; it read them from its own coordinator, which kvbackend leaves
@@ -152,3 +200,58 @@ def test_a_request_whose_asynchronous_load_failed_outright_is_admitted_again(
     harness.add("r2", [1, 2, 3, 4] + list(range(10, 26)), max_tokens=1)
     harness.run_to_end()
     assert harness.requests["r2"].num_output_tokens == 1
+
+
+def test_a_request_is_not_starved_by_copies_its_own_cached_path_holds(config):
+    """r5 is preempted at 28 tokens; the tree then lists its 7 blocks and two more that
+    nodes on its path hold although their continuations copied them (their swap was
+    refused while they had other sharers): all 9 blocks. Locking r5's hit kept them
+    all, and r5 waited forever for one block. A sequence short of blocks now makes the
+    nodes on its own path take their continuations' copies."""
+    harness = AsyncHarness(with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
+                                      policy="fail"), num_blocks=NUM_BLOCKS)
+    harness.add("r0", PREFIXES[0], max_tokens=1)
+    harness.run_to_end()
+    assert harness.scheduler.kv_cache_manager.reset_prefix_cache()
+    for request_id in ("r1", "r2", "r3"):
+        harness.add(request_id, PREFIXES[0], max_tokens=1)
+    harness.add("r4", PREFIXES[1], max_tokens=1)
+    harness.add("r5", PREFIXES[0] + [0] * 9, max_tokens=11)
+    harness.add("r6", PREFIXES[0], max_tokens=1)
+    harness.run_to_end()
+    assert harness.requests["r5"].num_output_tokens == 11
+
+
+def test_a_running_request_is_not_preempted_for_copies_its_own_cached_path_holds(config):
+    """r2 (30 tokens, 8 of the 9 blocks) resumes from its preemption with a partial hit;
+    its next block then had to come from nodes on its locked path that still list blocks
+    their continuations copied. The manager's room check dropped only the candidates'
+    copies, so it preempted r2 again at every resume (unfinished after 200 steps)."""
+    harness = AsyncHarness(with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
+                                      policy="fail"), num_blocks=NUM_BLOCKS)
+    harness.add("r0", PREFIXES[0], max_tokens=1)
+    harness.add("r1", PREFIXES[0], max_tokens=1)
+    harness.add("r2", PREFIXES[0] + [0] * 8, max_tokens=12)
+    harness.add("r3", PREFIXES[0], max_tokens=7)
+    harness.run_to_end()
+    assert harness.requests["r2"].num_output_tokens == 12
+
+
+def test_a_failed_load_reported_after_its_request_was_freed_blames_no_one_else(config):
+    """l's synchronous load fails in step 1, and l is aborted while step 1 runs: its
+    blocks go back at once, and local-c computes into them in step 2 (only loads wait
+    for step 1). Step 1's report then named a block local-c holds: vLLM failed local-c
+    for a load it never made (and evict_blocks found the block published)."""
+    chosen = with_store(config, [list(range(100, 108))], fail_every=1, policy="fail")
+    chosen.scheduler_config.max_num_batched_tokens = 64
+    chosen.scheduler_config.max_num_scheduled_tokens = 64
+    harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+    harness.add("local-b", list(range(200, 212)), max_tokens=4)  # 3 blocks
+    harness.add("l", list(range(100, 109)), max_tokens=2)  # loads 2 blocks, 3 in all
+    harness.schedule()
+    harness.abort("l")
+    harness.add("local-c", list(range(300, 320)), max_tokens=2)  # 5 blocks: l's 3 too
+    out = harness.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["local-c"]
+    harness.run_to_end()
+    assert harness.requests["local-c"].status == RequestStatus.FINISHED_LENGTH_CAPPED

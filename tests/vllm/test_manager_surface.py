@@ -53,7 +53,7 @@ def test_the_table_says_which_members_are_overridden():
 
 def test_every_method_kvbackends_schedulers_override_is_still_vllms():
     """kvbackend's schedulers override some of vLLM's private scheduler methods
-    (``_request_remaining_blocks``): a vLLM upgrade that
+    (``_handle_invalid_blocks``, ``_request_remaining_blocks``): a vLLM upgrade that
     renames one, or changes its parameters, would leave the override silently unused."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
