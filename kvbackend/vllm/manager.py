@@ -45,9 +45,10 @@ counts steps, ``StepFence``): by the request's next ``allocate_slots`` or
 ``num_computed_tokens`` back to the first failed block
 (``kv_load_failure_policy="recompute"``), and those tokens are recomputed into
 the same blocks. (Under async scheduling the request's next step is scheduled
-before that output: nothing is published then.) An asynchronous load (``delay_cache_blocks``: a remote hit, any
-tier hit under async scheduling, or another connector's load; the request waits in
-WAITING_FOR_REMOTE_KVS) is published by ``cache_blocks``, which vLLM calls with
+before that output: nothing is published then.) An asynchronous load
+(``delay_cache_blocks``: a remote hit, any tier hit under async scheduling, or
+another connector's load; the request waits in WAITING_FOR_REMOTE_KVS) is
+published by ``cache_blocks``, which vLLM calls with
 the tokens known good once the workers report it done (or ``free`` if none are);
 a ``free`` before that (aborted while loading: vLLM then frees it without cutting
 its tokens back) publishes nothing (``loading``). Nothing another request can

@@ -1,10 +1,11 @@
 """A KV connector for ``async_harness``: an external store that loads outside the step order.
 
 The store holds the KV of every whole-block prefix of the prompts named in
-``kv_connector_extra_config["prompts"]`` and of every finished request's prompt, for every
-request whose id does not start with "local". A request loads the longest such prefix beyond its device hit, synchronously
-(in its admission step, before the forward pass) or asynchronously (it waits in
-WAITING_FOR_REMOTE_KVS until the step's output reports it), as ``sync_ids`` says.
+``kv_connector_extra_config["prompts"]`` and of every finished request's prompt, for
+every request whose id does not start with "local". A request loads the longest such
+prefix beyond its device hit, synchronously (in its admission step, before the forward
+pass) or asynchronously (it waits in WAITING_FOR_REMOTE_KVS until the step's output
+reports it), as ``sync_ids`` says.
 
 The worker side writes what a load brings into the ``ContentWorker``'s KV tensor: the id
 of each slot's token prefix (``prefixes``, the worker's ``PrefixIds``). A real connector
