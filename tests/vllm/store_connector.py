@@ -52,7 +52,23 @@ class StoreMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
 
 
-class StoreConnector(KVConnectorBase_V1):
+class SchedulerSideConnector(KVConnectorBase_V1):
+    """A test connector's worker hooks that only its loads would need."""
+
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+
+class StoreConnector(SchedulerSideConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -132,14 +148,6 @@ class StoreConnector(KVConnectorBase_V1):
         done, self._finished = self._finished, set()
         return None, done or None
 
-    def wait_for_layer_load(self, layer_name):
-        pass
 
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
-
-    def wait_for_save(self):
-        pass
-
-
-__all__ = ["Load", "STORE_CONNECTOR", "StoreConnector", "StoreMetadata", "store_transfer_config"]
+__all__ = ["Load", "STORE_CONNECTOR", "SchedulerSideConnector", "StoreConnector", "StoreMetadata",
+           "store_transfer_config"]

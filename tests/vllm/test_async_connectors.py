@@ -45,6 +45,20 @@ def with_store(config, prompts, async_scheduling: bool = True, **store):
     return config
 
 
+def failing_store(config):
+    """``config`` with the store under async scheduling: PREFIXES stored, every third load
+    failing, half the requests loading synchronously, a failed load failing its request."""
+    return with_store(config, PREFIXES, fail_every=3, sync_ids="odd", policy="fail")
+
+
+def run_all(harness, arrivals, first: int = 0) -> None:
+    """Add ``(prompt, max_tokens)`` requests named r{first}, r{first + 1}, ..., then run
+    every request to its end."""
+    for i, (prompt, max_tokens) in enumerate(arrivals, start=first):
+        harness.add(f"r{i}", prompt, max_tokens=max_tokens)
+    harness.run_to_end()
+
+
 def test_only_connectors_that_load_out_of_step_order_are_fenced(config):
     """A loading connector under async scheduling, alone or after the tiers; not the tiers
     (their loads run in step order), not without async scheduling, not a saving-only one.
@@ -90,15 +104,10 @@ def test_a_request_needing_almost_every_block_is_not_starved(config):
     the step in flight ran (as vLLM defers its frees) preempted r1 whenever it resumed
     with a partial hit: its copy's source came back a step too late for r1's next block
     (unfinished after 200 steps). Only loads wait now; computing requests take the blocks."""
-    harness = AsyncHarness(with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
-                                      policy="fail"), num_blocks=NUM_BLOCKS)
-    harness.add("r0", PREFIXES[0], max_tokens=1)
-    harness.run_to_end()
+    harness = AsyncHarness(failing_store(config), num_blocks=NUM_BLOCKS)
+    run_all(harness, [(PREFIXES[0], 1)])
     assert harness.scheduler.kv_cache_manager.reset_prefix_cache()
-    harness.add("r1", PREFIXES[0] + [0] * 9, max_tokens=11)
-    harness.add("r2", PREFIXES[0], max_tokens=1)
-    harness.add("r3", PREFIXES[1], max_tokens=1)
-    harness.run_to_end()
+    run_all(harness, [(PREFIXES[0] + [0] * 9, 11), (PREFIXES[0], 1), (PREFIXES[1], 1)], first=1)
     assert harness.requests["r1"].num_output_tokens == 11
 
 
@@ -137,8 +146,7 @@ def test_kvbackend_async_scheduling_with_a_loading_connector_stateful(config):
     mishandles a recomputed synchronous load there: the request's step scheduled before
     the failure is known appends a token to its cut-back tokens); with synchronous
     scheduling a failed load is recomputed."""
-    configs = {"async": with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
-                                   policy="fail"),
+    configs = {"async": failing_store(config),
                "sync": with_store(config, PREFIXES, async_scheduling=False, fail_every=3,
                                   sync_ids="odd")}
 
@@ -208,17 +216,11 @@ def test_a_request_is_not_starved_by_copies_its_own_cached_path_holds(config):
     refused while they had other sharers): all 9 blocks. Locking r5's hit kept them
     all, and r5 waited forever for one block. A sequence short of blocks now makes the
     nodes on its own path take their continuations' copies."""
-    harness = AsyncHarness(with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
-                                      policy="fail"), num_blocks=NUM_BLOCKS)
-    harness.add("r0", PREFIXES[0], max_tokens=1)
-    harness.run_to_end()
+    harness = AsyncHarness(failing_store(config), num_blocks=NUM_BLOCKS)
+    run_all(harness, [(PREFIXES[0], 1)])
     assert harness.scheduler.kv_cache_manager.reset_prefix_cache()
-    for request_id in ("r1", "r2", "r3"):
-        harness.add(request_id, PREFIXES[0], max_tokens=1)
-    harness.add("r4", PREFIXES[1], max_tokens=1)
-    harness.add("r5", PREFIXES[0] + [0] * 9, max_tokens=11)
-    harness.add("r6", PREFIXES[0], max_tokens=1)
-    harness.run_to_end()
+    run_all(harness, [(PREFIXES[0], 1)] * 3 + [(PREFIXES[1], 1), (PREFIXES[0] + [0] * 9, 11),
+                                              (PREFIXES[0], 1)], first=1)
     assert harness.requests["r5"].num_output_tokens == 11
 
 
@@ -227,13 +229,9 @@ def test_a_running_request_is_not_preempted_for_copies_its_own_cached_path_holds
     its next block then had to come from nodes on its locked path that still list blocks
     their continuations copied. The manager's room check dropped only the candidates'
     copies, so it preempted r2 again at every resume (unfinished after 200 steps)."""
-    harness = AsyncHarness(with_store(config, PREFIXES, fail_every=3, sync_ids="odd",
-                                      policy="fail"), num_blocks=NUM_BLOCKS)
-    harness.add("r0", PREFIXES[0], max_tokens=1)
-    harness.add("r1", PREFIXES[0], max_tokens=1)
-    harness.add("r2", PREFIXES[0] + [0] * 8, max_tokens=12)
-    harness.add("r3", PREFIXES[0], max_tokens=7)
-    harness.run_to_end()
+    harness = AsyncHarness(failing_store(config), num_blocks=NUM_BLOCKS)
+    run_all(harness, [(PREFIXES[0], 1), (PREFIXES[0], 1), (PREFIXES[0] + [0] * 8, 12),
+                      (PREFIXES[0], 7)])
     assert harness.requests["r2"].num_output_tokens == 12
 
 

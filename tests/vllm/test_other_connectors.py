@@ -19,9 +19,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -35,6 +33,7 @@ from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
 from tests.vllm.conftest import (
     BLOCK_SIZE, cached_by_source, greedy_outputs, make_engine, shutdown,
 )
+from tests.vllm.store_connector import SchedulerSideConnector
 from tests.vllm.tier_harness import host_gb
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -151,7 +150,7 @@ def test_multi_connector_rebuilds_the_tier_connectors_stats():
     assert rebuilt[TIER_CONNECTOR].reduce() == sent.reduce()
 
 
-class AsyncLoadConnector(KVConnectorBase_V1):
+class AsyncLoadConnector(SchedulerSideConnector):
     """A connector holding the full prompt blocks of requests named "load...", loaded
     asynchronously: the request waits in ``WAITING_FOR_REMOTE_KVS`` until the test
     reports the load finished (``finished_recving``), as a worker would."""
@@ -167,18 +166,6 @@ class AsyncLoadConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output):
         return KVConnectorMetadata()
-
-    def start_load_kv(self, forward_context, **kwargs):
-        pass
-
-    def wait_for_layer_load(self, layer_name):
-        pass
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass
-
-    def wait_for_save(self):
-        pass
 
 
 def test_an_asynchronous_load_is_published_once_it_loaded(config):
