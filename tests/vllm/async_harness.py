@@ -407,8 +407,9 @@ class AsyncHarness:
                                         0, drafts),
                                     max_drafts=vllm_config.num_speculative_tokens,
                                     window=window)
-        if isinstance(connector, StoreConnector):
-            connector.prefixes = self.worker.prefixes
+        for child in getattr(connector, "sub_connectors", [connector]):  # a MultiConnector's
+            if isinstance(child, StoreConnector):
+                child.prefixes = self.worker.prefixes
         self.requests: dict[str, Request] = {}
         # steps run, their outputs not delivered yet, with the blocks each used
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput, set[int]]] = []
@@ -427,8 +428,11 @@ class AsyncHarness:
         """Schedule and run one step; its output waits in ``in_flight``."""
         assert len(self.in_flight) < self.max_in_flight
         out = self.scheduler.schedule()
-        if isinstance(out.kv_connector_metadata, StoreMetadata):  # it loads out of step order
-            loaded = {b for load in out.kv_connector_metadata.loads for b in load.block_ids}
+        meta = out.kv_connector_metadata
+        for child in getattr(meta, "metadata", (meta,)):  # a MultiConnector's, or its own
+            if not isinstance(child, StoreMetadata):
+                continue
+            loaded = {b for load in child.loads for b in load.block_ids}  # out of step order
             for step, _, used in self.in_flight:
                 assert not loaded & used, (
                     f"blocks {sorted(loaded & used)} are loaded into while step "

@@ -12,6 +12,8 @@ every read of every step, and that the tree never lists a load not known good.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -20,10 +22,11 @@ from hypothesis.stateful import initialize, invariant, rule
 from vllm.config import KVTransferConfig
 from vllm.v1.request import RequestStatus
 
-from kvbackend.vllm import engine_kwargs
+from kvbackend.vllm import engine_kwargs, tier_transfer_config
+from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.connectors import compose
 from kvbackend.vllm.scheduler import unsupported_features
-from tests.vllm.async_harness import AsyncHarness, async_config
+from tests.vllm.async_harness import AsyncHarness, async_config, tier_gb
 from tests.vllm.store_connector import store_transfer_config
 from tests.vllm.test_async_scheduling import PREFIXES, HarnessMachine
 
@@ -145,17 +148,37 @@ def test_kvbackend_async_scheduling_with_a_loading_connector_stateful(config):
     half the requests load synchronously and a failed load fails its request (vLLM 0.32
     mishandles a recomputed synchronous load there: the request's step scheduled before
     the failure is known appends a token to its cut-back tokens); with synchronous
-    scheduling a failed load is recomputed."""
-    configs = {"async": failing_store(config),
-               "sync": with_store(config, PREFIXES, async_scheduling=False, fail_every=3,
-                                  sync_ids="odd")}
+    scheduling a failed load is recomputed. A quarter of the runs compose the store
+    after kvbackend's host and disk tiers (``MultiConnector``), loading asynchronously."""
+
+    def configured(mode: str, seed: int, root: str):
+        if mode == "sync":
+            return with_store(config, PREFIXES, async_scheduling=False, fail_every=3,
+                              sync_ids="odd", seed=seed)
+        if mode == "async":
+            return with_store(config, PREFIXES, fail_every=3, sync_ids="odd", policy="fail",
+                              seed=seed)
+        tiers = tier_transfer_config(KVBackendConfig.from_dict(
+            {"host_cache_gb": tier_gb(config, 2), "disk_cache_dir": root}))
+        store = store_transfer_config(PREFIXES, fail_every=3, sync_ids="none", seed=seed)
+        chosen = copy.deepcopy(config)
+        chosen.kv_transfer_config = KVTransferConfig(**compose(tiers, store))
+        chosen.scheduler_config.disable_hybrid_kv_cache_manager = True
+        return chosen
 
     class StoreMachine(HarnessMachine):
-        @initialize(mode=st.sampled_from(["async", "async", "sync"]), seed=st.integers(0, 99))
+        def __init__(self) -> None:
+            super().__init__()
+            self.root = tempfile.mkdtemp(prefix="kvb-store-tiers-")
+
+        def teardown(self) -> None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+        @initialize(mode=st.sampled_from(["async", "async", "sync", "async-tiers"]),
+                    seed=st.integers(0, 99))
         def start(self, mode, seed):
-            chosen = copy.deepcopy(configs[mode])
-            chosen.kv_transfer_config.kv_connector_extra_config["seed"] = seed
-            self.harness = AsyncHarness(chosen, num_blocks=NUM_BLOCKS)
+            self.harness = AsyncHarness(configured(mode, seed, self.root),
+                                        num_blocks=NUM_BLOCKS)
 
         @rule(steps=st.integers(1, 8))
         def run_pipelined(self, steps):
@@ -169,15 +192,18 @@ def test_kvbackend_async_scheduling_with_a_loading_connector_stateful(config):
 
         @rule()
         def drop_the_device_cache(self):
-            """Prompts seen before then load from the store."""
+            """Prompts seen before then load from the store (or the tiers)."""
             self.harness.run_to_end()
             assert self.harness.scheduler.kv_cache_manager.reset_prefix_cache()
 
         @invariant()
         def cache_and_fence_are_consistent(self):
-            manager = self.harness.scheduler.kv_cache_manager
-            manager.cache.check_invariants()
-            manager.steps.check_invariants()
+            scheduler = self.harness.scheduler
+            scheduler.kv_cache_manager.cache.check_invariants()
+            scheduler.kv_cache_manager.steps.check_invariants()
+            for child in getattr(scheduler.connector, "sub_connectors", []):
+                if getattr(child, "planner", None) is not None:
+                    child.planner.check_invariants()
 
     StoreMachine.TestCase.settings = settings(StoreMachine.TestCase.settings,
                                               max_examples=300, stateful_step_count=30)
