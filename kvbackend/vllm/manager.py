@@ -493,7 +493,7 @@ class KVBackendManager(KVCacheManager):
             if seq is None:
                 return None
             loaded = seq.block_ids[(computed - num_external_computed_tokens) // self.block_size:
-                                   computed // self.block_size]
+                                   cdiv(computed, self.block_size)]
             if self.steps.busy(loaded):  # the load may run out of step order: a step later
                 self.cache.release(seq)
                 tracked.sequence = None
@@ -580,8 +580,9 @@ class KVBackendManager(KVCacheManager):
         self.cache.release(tracked.sequence, retain_s=retain_s)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        raise NotImplementedError("kvbackend defers its frees itself (``StepFence``): vLLM's "
-                                  "deferral stays off (``Scheduler.defer_block_free``)")
+        raise NotImplementedError("kvbackend frees at once and keeps loads out of step order "
+                                  "off the blocks a step in flight uses (``StepFence``): "
+                                  "vLLM's deferral stays off (``Scheduler.defer_block_free``)")
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Blocks whose external load failed (``kv_load_failure_policy="fail"``).

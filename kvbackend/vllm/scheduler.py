@@ -15,12 +15,12 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheConfig,
     MambaSpec, RSWASpec, SlidingWindowSpec,
 )
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
@@ -52,7 +52,7 @@ def unsupported_features(config: VllmConfig,
     models whose KV of a prefix is not a function of that prefix alone. KV connectors:
     see ``kvbackend.vllm.connectors``.
     """
-    sched, parallel, model = config.scheduler_config, config.parallel_config, config.model_config
+    parallel, model = config.parallel_config, config.model_config
     states = kv_cache_config is not None and kv_cache_config.has_mamba_layers
     spec = config.speculative_config
     transfer = config.kv_transfer_config
