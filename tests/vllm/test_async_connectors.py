@@ -3,10 +3,10 @@
 vLLM defers block frees for every connector that loads (``Scheduler.defer_block_free``):
 such a connector may fill a block handed out in step N+1 while step N still uses it.
 kvbackend frees at once and keeps such loads off the blocks a step in flight uses
-(``StepFence``). ``StoreConnector``
-(``store_connector.py``) loads stored prompts synchronously or not, and some loads fail;
-``AsyncHarness`` checks that it never loads into a block a step in flight still uses,
-every read of every step, and that the tree never lists a load not known good.
+(``StepFence``). ``StoreConnector`` (``store_connector.py``) loads stored prompts
+synchronously or not, and some loads fail; ``AsyncHarness`` checks that it never loads
+into a block a step in flight still uses, every read of every step, and that the tree
+never lists a load not known good.
 """
 
 from __future__ import annotations
@@ -40,12 +40,17 @@ def config(tiny_model):
                         max_num_seqs=3)
 
 
-def with_store(config, prompts, async_scheduling: bool = True, **store):
+def with_transfer(config, transfer: dict, async_scheduling: bool = True):
+    """``config`` with the connector(s) ``transfer`` selects (``KVTransferConfig`` fields)."""
     config = copy.deepcopy(config)
-    config.kv_transfer_config = KVTransferConfig(**store_transfer_config(prompts, **store))
+    config.kv_transfer_config = KVTransferConfig(**transfer)
     config.scheduler_config.async_scheduling = async_scheduling
     config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as vLLM sets it
     return config
+
+
+def with_store(config, prompts, async_scheduling: bool = True, **store):
+    return with_transfer(config, store_transfer_config(prompts, **store), async_scheduling)
 
 
 def failing_store(config):
@@ -71,10 +76,7 @@ def test_only_connectors_that_load_out_of_step_order_are_fenced(config):
     cases = [(store, True, True), (compose(tiers, store), True, True), (store, False, False),
              (tiers, True, False), ({**store, "kv_role": "kv_producer"}, True, False)]
     for transfer, async_scheduling, fenced in cases:
-        chosen = copy.deepcopy(config)
-        chosen.kv_transfer_config = KVTransferConfig(**transfer)
-        chosen.scheduler_config.async_scheduling = async_scheduling
-        chosen.scheduler_config.disable_hybrid_kv_cache_manager = True
+        chosen = with_transfer(config, transfer, async_scheduling)
         assert unsupported_features(chosen) == []
         scheduler = AsyncHarness(chosen, num_blocks=NUM_BLOCKS).scheduler
         assert scheduler.kv_cache_manager.steps.track is fenced, transfer
@@ -161,10 +163,7 @@ def test_kvbackend_async_scheduling_with_a_loading_connector_stateful(config):
         tiers = tier_transfer_config(KVBackendConfig.from_dict(
             {"host_cache_gb": tier_gb(config, 2), "disk_cache_dir": root}))
         store = store_transfer_config(PREFIXES, fail_every=3, sync_ids="none", seed=seed)
-        chosen = copy.deepcopy(config)
-        chosen.kv_transfer_config = KVTransferConfig(**compose(tiers, store))
-        chosen.scheduler_config.disable_hybrid_kv_cache_manager = True
-        return chosen
+        return with_transfer(config, compose(tiers, store))
 
     class StoreMachine(HarnessMachine):
         def __init__(self) -> None:
