@@ -77,7 +77,7 @@ class StoreConnector(SchedulerSideConnector):
                        for end in range(self.block_size, len(p) + 1, self.block_size)}
         self.sync_ids, self.fail_every = extra["sync_ids"], extra["fail_every"]
         self.rng = random.Random(extra["seed"])
-        self._planned: dict[str, tuple[int, bool]] = {}  # request -> (device hit, async)
+        self._planned: dict[str, int] = {}  # request -> its device hit, where its load starts
         self._loads: list[Load] = []
         self.prefixes = None  # the worker's PrefixIds, set by the harness
         self.kv = None
@@ -97,14 +97,13 @@ class StoreConnector(SchedulerSideConnector):
                     if tuple(prompt[:end]) in self.stored), default=0)
         if held <= num_computed_tokens:
             return 0, False
-        is_async = not self.loads_synchronously(request.request_id)
-        self._planned[request.request_id] = (num_computed_tokens, is_async)
-        return held - num_computed_tokens, is_async
+        self._planned[request.request_id] = num_computed_tokens
+        return held - num_computed_tokens, not self.loads_synchronously(request.request_id)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if not num_external_tokens:
             return
-        start, _ = self._planned.pop(request.request_id)
+        start = self._planned.pop(request.request_id)
         end, bs = start + num_external_tokens, self.block_size
         (block_ids,) = blocks.get_block_ids()
         self._loads.append(Load(request.request_id, list(request.all_token_ids[:end]), start,
