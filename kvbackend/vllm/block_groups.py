@@ -38,7 +38,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash, KVCacheBlock, KVCacheBlockCopy, make_block_hash_with_group_id,
+)
 
 from kvbackend.core.group_pages import GroupPages
 
@@ -145,6 +147,7 @@ class PagedBlockGroups:
         self.full_group, self.pages = full_group, pages
         self._paged_index = {group: k for k, group in enumerate(paged_groups)}
         self._objects = [KVCacheBlock(i) for i in range(num_physical_blocks)]
+        self._objects[0].is_null = True  # vLLM's null block, listed where there is no page
 
     def physical(self, logical: int, group: int) -> int:
         """``logical``'s block in ``group``; KeyError where it has no page there."""
@@ -180,3 +183,20 @@ class PagedBlockGroups:
         """As ``BlockGroups.tier_blocks``: a logical id is the full-attention group's
         block id (nothing to check). O(1)."""
         return per_group[self.full_group], PhysicalBlocks(per_group)
+
+
+def with_block_hashes(blocks: KVCacheBlocks, hashes: Sequence[BlockHash]) -> KVCacheBlocks:
+    """``blocks`` whose first ``len(hashes)`` blocks in every group carry vLLM's hash of
+    their tokens (and group), as vLLM's block pool marks the blocks it cached; the others
+    carry none, and null blocks stay null. The hashed blocks are new objects: kvbackend's
+    own stay unhashed. O(groups * blocks)."""
+    def hashed(block: KVCacheBlock, block_hash: BlockHash, group: int) -> KVCacheBlock:
+        if block.is_null:
+            return block
+        marked = KVCacheBlock(block.block_id)
+        marked.set_block_hash(make_block_hash_with_group_id(block_hash, group))
+        return marked
+
+    return KVCacheBlocks(tuple(
+        [hashed(b, h, g) for b, h in zip(blocks, hashes)] + list(blocks[len(hashes):])
+        for g, blocks in enumerate(blocks.blocks)))

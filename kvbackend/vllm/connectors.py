@@ -6,15 +6,27 @@ request's whole block table (hit blocks first) in ``update_state_after_alloc``,
 ``request_finished`` gets the computed blocks, and a request's blocks stay held while the
 connector delays their free (``delay_free_blocks``, until its ``finished_sending``). Tokens
 a connector loads, synchronously or not, are published to kvbackend's tree only once
-vLLM counts them as loaded. What kvbackend does not provide is vLLM's hash-based block
-pool: its blocks carry no ``block_hash`` and vLLM's ``BlockPool`` and coordinator stay
-empty. A connector that reads them is refused at start (``connector_refusals``):
+vLLM counts them as loaded. In the tables a connector reads (``get_blocks``) the blocks
+the request took from the cache or published carry vLLM's block hash, the others none,
+as in vLLM's block pool: NIXL tells the blocks it pulls into from the local hit that way
+(``KVCacheBlocks.get_unhashed_block_ids_all_groups``). What kvbackend does not provide
+is vLLM's hash-based block pool itself: vLLM's ``BlockPool`` and coordinator stay
+empty. A connector that reads them, or that kvbackend has not run, is refused at start
+(``connector_refusals``):
 
-- ``HASH_READERS`` tell the blocks of the local hit from those they load into by the
-  blocks' hashes (``KVCacheBlocks.get_unhashed_block_ids``, ``block.block_hash``): with
-  kvbackend every block looks unhashed, so they would load into shared cached blocks;
+- ``UNSERVED``, each with its reason: vLLM's offloading connector reads its
+  coordinator; NIXL's push mode, Mooncake's P/D connector and HF3FS tell the local
+  hit's blocks apart as NIXL's pull mode does, but no test of kvbackend runs them (push
+  needs the decode instance to register before the prefill runs; the others a
+  transfer engine or file system);
 - a connector that overrides ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``
   reads vLLM's block pool or its manager's internals (e.g. the coordinator).
+
+NIXL's pull mode (prefill/decode disaggregation) runs on either side: a prefill
+instance holds a finished request's blocks, shared cached ones included (never written
+while a request holds them), until the decode instance read them; a decode instance
+pulls into the blocks past its local token-exact hit, and publishes them once pulled
+(``tests/vllm/test_nixl.py``: real engines in two processes over NIXL's UCX backend).
 
 kvbackend's own tiers plus another connector run under vLLM's ``MultiConnector``
 (``compose``): the tier connector first, so a request loads from host/disk/remote when
@@ -31,8 +43,16 @@ from typing import Any
 from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 
 MULTI_CONNECTOR = "MultiConnector"
-HASH_READERS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector",
-                          "MooncakeConnector", "HF3FSKVConnector", "OffloadingConnector"})
+_UNCHECKED = ("it would run as NIXL's pull mode does, but no test of kvbackend runs {} "
+              "(not checked; NixlConnector and NixlPullConnector are served)")
+UNSERVED = {
+    "OffloadingConnector": "it reads vLLM's KV-cache coordinator and block hashes, which "
+                           "kvbackend leaves unused (kvbackend's host, disk and remote "
+                           "tiers do its job)",
+    "NixlPushConnector": _UNCHECKED.format("NIXL's push mode"),
+    "MooncakeConnector": _UNCHECKED.format("Mooncake's transfer engine"),
+    "HF3FSKVConnector": _UNCHECKED.format("the 3FS file system"),
+}
 
 
 def is_tier_connector(kv_transfer_config: Any) -> bool:
@@ -66,10 +86,8 @@ def connector_refusals(kv_transfer_config: Any) -> list[str]:
         name = child.kv_connector
         if is_tier_connector(child):
             continue
-        if name in HASH_READERS:
-            refusals.append(f"KV connector {name}: it tells the local prefix hit's blocks from "
-                            "those it loads into by vLLM's block hashes, which kvbackend's "
-                            "blocks do not carry (it would load into shared cached blocks)")
+        if name in UNSERVED:
+            refusals.append(f"KV connector {name}: {UNSERVED[name]}")
             continue
         cls = KVConnectorFactory.get_connector_class(child)
         for hook in ("bind_gpu_block_pool", "bind_kv_cache_manager"):
@@ -109,5 +127,5 @@ def compose(tier: dict[str, Any], other: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"connectors": [tier, *children]}}
 
 
-__all__ = ["HASH_READERS", "MULTI_CONNECTOR", "child_configs", "compose", "connector_refusals",
+__all__ = ["MULTI_CONNECTOR", "UNSERVED", "child_configs", "compose", "connector_refusals",
            "is_tier_connector", "transfer_fields"]

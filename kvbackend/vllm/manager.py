@@ -230,7 +230,8 @@ when vLLM adds a public member that this table does not name):
     free                               overridden  publish, then release
     cache_blocks                       overridden  publish what is known computed (once a
                                                    load's output is in; after async outputs)
-    get_blocks                         overridden  the sequence's block table
+    get_blocks                         overridden  the sequence's block table; for another
+                                                   connector, cached blocks carry vLLM's hash
     estimate_cached_tokens             overridden  tokens under the locked node
     usage                              overridden  held blocks of kvbackend's pool
     reset_prefix_cache                 overridden  clears the tree
@@ -278,7 +279,9 @@ from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashListWithBlockSize, KVCacheBlock, KVCacheBlockCopy,
+)
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec,
 )
@@ -287,7 +290,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvbackend.core import PrefixCache, PrefixMatch, Sequence, TokenBuffer, cdiv
 from kvbackend.core.miss_diagnosis import Admission
 from kvbackend.core.window_pages import WindowPages
-from kvbackend.vllm.block_groups import BlockGroups, PagedBlockGroups
+from kvbackend.vllm.block_groups import BlockGroups, PagedBlockGroups, with_block_hashes
 from kvbackend.vllm.config import KVBackendConfig
 from kvbackend.vllm.kv_events import BlockEvents
 from kvbackend.vllm.miss_log import MissLog
@@ -306,9 +309,11 @@ class _TrackedRequest:
     """What the manager remembers about one live request."""
 
     namespace: Any
+    block_hashes: list  # vLLM's hashes of the request's full blocks (the request's list)
     tokens: TokenBuffer = field(default_factory=TokenBuffer)
     sequence: Sequence | None = None
     match: PrefixMatch | None = None  # from get_computed_blocks, consumed at admission
+    hit_blocks: int = 0  # the whole blocks taken from the cache at admission
     num_published: int = 0  # tokens handed to the tree so far
     loading: bool = False  # an asynchronous load not yet reported: nothing published
     load_step: int = 0  # the step of a synchronous load (0: none); published once it ran
@@ -328,11 +333,15 @@ class KVBackendManager(KVCacheManager):
 
     def __init__(self, *args: Any, backend_config: KVBackendConfig,
                  kv_events: BlockEvents | None = None, free_group_pages: bool = True,
-                 fence_loads: bool = False, **kwargs: Any) -> None:
+                 fence_loads: bool = False, hashed_tables: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.enable_caching = True  # vLLM's own hashing stays off; lookups are ours
         self.block_size = kwargs["scheduler_block_size"]
         self.kv_events = kv_events  # set with --kv-events-config
+        # another KV connector tells a table's cached blocks by their hash (``get_blocks``)
+        self.hashed_tables = hashed_tables
+        self.hash_block_size = kwargs["hash_block_size"]
         # EAGLE / MTP: how many next tokens a drafter's KV at a position reads (else 0)
         self.draft_lookahead = kwargs.get("num_prefill_lookahead", 0)
         num_physical = self.kv_cache_config.num_blocks
@@ -499,6 +508,7 @@ class KVBackendManager(KVCacheManager):
                 tracked.sequence = None
                 return None
             tracked.load_blocks = loaded
+            tracked.hit_blocks = match.num_full_blocks
             allocated, accessed = seq.block_ids[match.num_full_blocks:], match.block_ids
             copied = match.num_partial_tokens  # slots this step's copy writes
             self.cache.record_query(tracked.namespace, request.num_tokens, match.num_tokens)
@@ -668,11 +678,23 @@ class KVBackendManager(KVCacheManager):
                               - len(tracked.sequence.block_ids)))
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's block table. O(blocks)."""
+        """The request's block table; with ``hashed_tables``, the blocks it took from the
+        cache or published carry vLLM's block hash (a connector pulls into the others,
+        ``with_block_hashes``). O(blocks)."""
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.sequence is None:
             return self.empty_kv_cache_blocks
-        return self._as_blocks(tracked.sequence.block_ids, tracked.window_start)
+        blocks = self._as_blocks(tracked.sequence.block_ids, tracked.window_start)
+        if not self.hashed_tables:
+            return blocks
+        hashes = tracked.block_hashes
+        if self.hash_block_size != self.block_size:
+            hashes = BlockHashListWithBlockSize(hashes, self.hash_block_size, self.block_size)
+        cached = max(tracked.hit_blocks, tracked.num_published // self.block_size)
+        if cached > len(hashes):
+            raise RuntimeError(f"request {request_id}: {cached} cached blocks but vLLM hashed "
+                               f"{len(hashes)} (no block hasher?); this indicates a bug")
+        return with_block_hashes(blocks, hashes[:cached])
 
     @property
     def usage(self) -> float:
@@ -731,7 +753,7 @@ class KVBackendManager(KVCacheManager):
     def _track(self, request: Request) -> _TrackedRequest:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tracked = _TrackedRequest(namespace=request_namespace(request))
+            tracked = _TrackedRequest(request_namespace(request), request.block_hashes)
             options = request_options(request)
             tracked.priority, tracked.pin = options.priority, options.pin
             tracked.retain_s = options.retain_s

@@ -155,6 +155,8 @@ class KVBackendScheduler(Scheduler):
             # vLLM defers frees for every connector that loads; kvbackend keeps those
             # loads off blocks a step in flight uses (its tiers load in step order)
             fence_loads=self.defer_block_free and not tiers_only,
+            # another connector tells a request's cached blocks from new ones by their hash
+            hashed_tables=not tiers_only,
             kv_events=BlockEvents(self.cache_config.prefix_caching_hash_algo, self.block_size,
                                   event_groups(self.kv_cache_config))
             if self.enable_kv_cache_events else None,

@@ -72,6 +72,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm.namespace import request_namespace
 from kvbackend.vllm.scheduler import KVBackendScheduler
+from tests.vllm.conftest import block_hasher
 from tests.vllm.store_connector import StoreConnector, StoreMetadata
 
 MAX_IN_FLIGHT = 2  # vLLM's max_concurrent_batches with async scheduling (no PP)
@@ -411,6 +412,9 @@ class AsyncHarness:
             if isinstance(child, StoreConnector):
                 child.prefixes = self.worker.prefixes
         self.requests: dict[str, Request] = {}
+        # vLLM hashes requests' blocks whenever a KV connector runs
+        self.block_hasher = (block_hasher(block_size) if vllm_config.kv_transfer_config
+                             else None)
         # steps run, their outputs not delivered yet, with the blocks each used
         self.in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput, set[int]]] = []
         self.max_in_flight = MAX_IN_FLIGHT if vllm_config.scheduler_config.async_scheduling else 1
@@ -419,7 +423,7 @@ class AsyncHarness:
             priority: int = 0) -> None:
         request = Request(request_id, list(prompt),
                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                          priority=priority)
+                          priority=priority, block_hasher=self.block_hasher)
         self.requests[request_id] = request
         self.worker.prompts[request_id] = list(prompt)
         self.scheduler.add_request(request)

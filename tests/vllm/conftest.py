@@ -62,6 +62,17 @@ def random_tokens(rng, n: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
+def block_hasher(block_size: int = BLOCK_SIZE):
+    """vLLM's request block hasher, as its engine core makes one whenever a KV connector
+    runs (a connector's tables hash the blocks taken from the cache with it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
 def greedy_outputs(llm, prompts, params) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's output token ids from ``llm``, keyed by the prompt's token tuple."""
     outs = generate(llm, prompts, params)

@@ -105,9 +105,12 @@ class StoreConnector(SchedulerSideConnector):
             return
         start = self._planned.pop(request.request_id)
         end, bs = start + num_external_tokens, self.block_size
+        # As NIXL: it loads into the blocks that carry no vLLM hash, those past the hit.
         (block_ids,) = blocks.get_block_ids()
+        (unhashed,) = blocks.get_unhashed_block_ids_all_groups()
+        assert unhashed == block_ids[start // bs:], (request.request_id, start, block_ids)
         self._loads.append(Load(request.request_id, list(request.all_token_ids[:end]), start,
-                                list(block_ids[start // bs: end // bs])))
+                                unhashed[: end // bs - start // bs]))
 
     def request_finished(self, request, block_ids):
         """The store keeps every whole block of a finished request's prompt."""

@@ -21,6 +21,7 @@ from vllm import SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -31,7 +32,7 @@ from kvbackend.vllm import engine_kwargs
 from kvbackend.vllm.connectors import compose, connector_refusals
 from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
 from tests.vllm.conftest import (
-    BLOCK_SIZE, cached_by_source, greedy_outputs, make_engine, shutdown,
+    BLOCK_SIZE, block_hasher, cached_by_source, greedy_outputs, make_engine, shutdown,
 )
 from tests.vllm.store_connector import SchedulerSideConnector
 from tests.vllm.tier_harness import host_gb
@@ -103,17 +104,25 @@ def with_connector(config, **transfer):
     return config
 
 
-def test_connectors_that_read_vllms_block_hashes_or_pool_are_refused(config, tmp_path):
+def test_connectors_that_read_vllms_pool_or_are_unchecked_are_refused(config, tmp_path):
     example = example_connector(str(tmp_path))
     tiers = engine_kwargs(host_cache_gb=1)["kv_transfer_config"]
     assert unsupported_features(with_connector(config, **example)) == []
     assert unsupported_features(with_connector(config, **compose(tiers, example))) == []
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    hashes = ("KV connector NixlConnector: it tells the local prefix hit's blocks from those it "
-              "loads into by vLLM's block hashes, which kvbackend's blocks do not carry (it "
-              "would load into shared cached blocks)")
-    assert unsupported_features(with_connector(config, **nixl)) == [hashes]
-    assert unsupported_features(with_connector(config, **compose(tiers, nixl))) == [hashes]
+    assert unsupported_features(with_connector(config, **nixl)) == []  # test_nixl.py
+    assert unsupported_features(with_connector(config, **compose(tiers, nixl))) == []
+    offloading = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    reason = ("KV connector OffloadingConnector: it reads vLLM's KV-cache coordinator and "
+              "block hashes, which kvbackend leaves unused (kvbackend's host, disk and remote "
+              "tiers do its job)")
+    assert unsupported_features(with_connector(config, **offloading)) == [reason]
+    assert unsupported_features(with_connector(config, **compose(tiers, offloading))) == [reason]
+    mooncake = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}
+    assert connector_refusals(KVTransferConfig(**mooncake)) == [
+        "KV connector MooncakeConnector: it would run as NIXL's pull mode does, but no test of "
+        "kvbackend runs Mooncake's transfer engine (not checked; NixlConnector and "
+        "NixlPullConnector are served)"]
     simple = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"}
     assert connector_refusals(KVTransferConfig(**simple)) == [
         "KV connector SimpleCPUOffloadConnector: it reads vLLM's block pool or KV-cache manager "
@@ -150,6 +159,11 @@ def test_multi_connector_rebuilds_the_tier_connectors_stats():
     assert rebuilt[TIER_CONNECTOR].reduce() == sent.reduce()
 
 
+def hashed_request(request_id: str, prompt: list[int]) -> Request:
+    """A request with vLLM's block hashes, as an engine with a KV connector makes them."""
+    return Request(request_id, prompt, GREEDY, None, block_hasher=block_hasher())
+
+
 class AsyncLoadConnector(SchedulerSideConnector):
     """A connector holding the full prompt blocks of requests named "load...", loaded
     asynchronously: the request waits in ``WAITING_FOR_REMOTE_KVS`` until the test
@@ -181,10 +195,10 @@ def test_an_asynchronous_load_is_published_once_it_loaded(config):
                                    block_size=BLOCK_SIZE)
     prompts = {"load-ok": PROMPT, "load-failed": PROMPT[::-1]}  # 3 full blocks held each
     for request_id, prompt in prompts.items():
-        scheduler.add_request(Request(request_id, prompt, GREEDY, None))
+        scheduler.add_request(hashed_request(request_id, prompt))
 
     def cached(prompt) -> int:
-        probe = Request("probe", prompt, GREEDY, None)
+        probe = hashed_request("probe", prompt)
         hit = scheduler.kv_cache_manager.get_computed_blocks(probe)[1]
         scheduler.kv_cache_manager.free(probe)
         return hit
@@ -208,3 +222,37 @@ def test_an_asynchronous_load_is_published_once_it_loaded(config):
     # Full blocks; the partial tail block is being written this step: no copy from it.
     assert [cached(p) for p in prompts.values()] == [3 * BLOCK_SIZE] * 2
     scheduler.kv_cache_manager.cache.check_invariants()
+
+
+def test_a_connectors_table_hashes_exactly_the_blocks_taken_from_the_cache(config):
+    """NIXL pulls into the blocks of a request's table that carry no vLLM block hash
+    (``get_unhashed_block_ids_all_groups``): the blocks past the local hit. Before, every
+    block of kvbackend's tables was unhashed (NIXL was refused for it)."""
+    config = with_connector(config, kv_connector="AsyncLoadConnector", kv_role="kv_both",
+                            kv_connector_module_path=__name__)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32,
+                             dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    scheduler = KVBackendScheduler(config, kv_cache_config, StructuredOutputManager(config),
+                                   block_size=BLOCK_SIZE)
+    manager = scheduler.kv_cache_manager
+
+    def admit(request_id: str, prompt: list[int]) -> Request:
+        request = hashed_request(request_id, prompt)
+        scheduler.add_request(request)
+        scheduler.schedule()  # allocates its table (a load waits for it outside the step)
+        return request
+
+    def hashes(request_id: str) -> list:
+        return [block.block_hash for block in manager.get_blocks(request_id).blocks[0]]
+
+    computed = admit("computed", PROMPT[: 2 * BLOCK_SIZE + 5])
+    # its step is scheduled: its whole blocks are published, as vLLM hashes them then
+    assert hashes("computed") == [make_block_hash_with_group_id(h, 0)
+                                  for h in computed.block_hashes] + [None]
+    admit("load", PROMPT)  # hits the two blocks, loads the third
+    table = manager.get_blocks("load")
+    assert hashes("load") == hashes("computed")[:2] + [None]
+    assert table.get_unhashed_block_ids_all_groups() == [table.get_block_ids()[0][2:]]

@@ -1,0 +1,143 @@
+"""Prefill/decode disaggregation over vLLM's NIXL connector, kvbackend on both sides: a
+prefill engine in its own process (``nixl_prefill.py``) and a decode engine here, real
+vLLM CPU engines moving KV through NIXL's UCX backend.
+
+The decode instance pulls only what its token-exact local hit lacks: NIXL pulls into the
+blocks of the request's table that carry no vLLM block hash, and kvbackend hashes exactly
+the blocks it took from its cache (before: refused at start). The prefill instance holds
+a prefilled request's blocks, shared cached ones included, until the decode instance
+pulled them, through pressure that evicts everything else. Greedy outputs always equal
+vLLM's without any cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+from vllm import SamplingParams
+
+from kvbackend.vllm import engine_kwargs
+from kvbackend.core import cdiv
+from tests.vllm.conftest import (
+    BLOCK_SIZE, cached_by_source, greedy_outputs, make_engine, random_tokens, shutdown,
+)
+from tests.vllm.nixl_prefill import REPLY
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+PREFILL_BLOCKS = 64  # the prefill engine's pool, in blocks (a block: 32 KiB)
+_rng = random.Random(11)
+BASE = random_tokens(_rng, 3 * BLOCK_SIZE)  # three whole blocks two prompts share
+FIRST = BASE + random_tokens(_rng, 11)
+SECOND = BASE + random_tokens(_rng, 40)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prefill:
+    """The prefill engine's process, one JSON line per request."""
+
+    def __init__(self, model: str) -> None:
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+               "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.vllm.nixl_prefill", model,
+             str(PREFILL_BLOCKS * 32 * 1024)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        assert self._reply() == "ready"
+
+    def ask(self, prompt: list[int], remote_decode: bool) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "remote_decode": remote_decode})
+                              + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._reply())
+
+    def _reply(self) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return line[len(REPLY):].strip()
+        raise RuntimeError(f"the prefill engine exited ({self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_model):
+    engine = Prefill(tiny_model)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model):
+    saved = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())  # the engine core's
+    try:
+        llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False, **engine_kwargs(NIXL))
+    finally:
+        if saved is None:
+            del os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+        else:
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = saved
+    yield llm
+    shutdown(llm)
+
+
+def pulled_bytes(llm) -> float:
+    return sum(m.sum for m in llm.get_metrics() if m.name == "vllm:nixl_bytes_transferred")
+
+
+def decode_after(prefilled: dict, llm, prompt: list[int]) -> tuple[list[int], dict, float]:
+    """Decode ``prompt`` on ``llm`` from the prefill instance's KV: its greedy tokens, the
+    tokens hit per source ("device": kvbackend's, "p2p": pulled) and the bytes pulled."""
+    before, pulled = cached_by_source(llm), pulled_bytes(llm)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens,
+                            extra_args={"kv_transfer_params": prefilled["params"]})
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    hits = {s: n - before.get(s, 0) for s, n in cached_by_source(llm).items()
+            if n != before.get(s, 0)}
+    return list(out.outputs[0].token_ids), hits, pulled_bytes(llm) - pulled
+
+
+def test_decode_pulls_only_what_its_local_hit_lacks(prefill, decode, reference_llm):
+    reference = greedy_outputs(reference_llm, (FIRST, SECOND), GREEDY)
+    tokens, hits, first_bytes = decode_after(prefill.ask(FIRST, True), decode, FIRST)
+    assert (tokens, hits) == (reference[tuple(FIRST)], {"p2p": len(FIRST)})
+    block_bytes = first_bytes / cdiv(len(FIRST), BLOCK_SIZE)  # every block pulled
+    tokens, hits, second_bytes = decode_after(prefill.ask(SECOND, True), decode, SECOND)
+    assert (tokens, hits) == (reference[tuple(SECOND)], {"device": len(BASE),
+                                                          "p2p": len(SECOND) - len(BASE)})
+    # Only the blocks past the local hit: pulling into the hit's blocks (unhashed) were 5.
+    assert second_bytes == cdiv(len(SECOND) - len(BASE), BLOCK_SIZE) * block_bytes
+
+
+def test_prefill_holds_a_prefilled_requests_blocks_until_they_were_pulled(
+        prefill, decode, reference_llm):
+    """Its table starts with blocks the prefill engine's cache shares; then requests
+    needing more than its whole pool run there before the decode instance pulls."""
+    rng = random.Random(12)
+    shared = random_tokens(rng, 3 * BLOCK_SIZE)
+    prompt = shared + random_tokens(rng, 50)
+    prefill.ask(shared + random_tokens(rng, 9), False)  # cached there, not on the decoder
+    prefilled = prefill.ask(prompt, True)
+    pressure = [random_tokens(rng, 10 * BLOCK_SIZE) for _ in range(PREFILL_BLOCKS // 8)]
+    for other in pressure:  # 80 blocks through a 64-block pool
+        prefill.ask(other, False)
+    reference = greedy_outputs(reference_llm, [prompt], GREEDY)
+    tokens, hits, _ = decode_after(prefilled, decode, prompt)
+    assert (tokens, hits) == (reference[tuple(prompt)], {"p2p": len(prompt)})
