@@ -6,8 +6,8 @@ The decode instance pulls only what its token-exact local hit lacks: NIXL pulls 
 blocks of the request's table that carry no vLLM block hash, and kvbackend hashes exactly
 the blocks it took from its cache (before: refused at start). The prefill instance holds
 a prefilled request's blocks, shared cached ones included, until the decode instance
-pulled them, through pressure that evicts everything else. Greedy outputs always equal
-vLLM's without any cache.
+pulled them, through pressure that evicts everything else. A pull that fails publishes
+nothing. Greedy outputs always equal vLLM's without any cache.
 """
 
 from __future__ import annotations
@@ -140,4 +140,21 @@ def test_prefill_holds_a_prefilled_requests_blocks_until_they_were_pulled(
         prefill.ask(other, False)
     reference = greedy_outputs(reference_llm, [prompt], GREEDY)
     tokens, hits, _ = decode_after(prefilled, decode, prompt)
+    assert (tokens, hits) == (reference[tuple(prompt)], {"p2p": len(prompt)})
+
+
+def test_a_failed_pull_fails_its_request_and_publishes_nothing(prefill, decode, reference_llm):
+    """The prefill instance named in the request is not there (the handshake fails): the
+    request fails (vLLM's default ``kv_load_failure_policy``), and none of the blocks it
+    was to pull into is published, so a later request for the same prompt hits nothing of
+    it on the device and pulls it whole."""
+    prompt = random_tokens(random.Random(13), 4 * BLOCK_SIZE + 3)
+    reference = greedy_outputs(reference_llm, [prompt], GREEDY)
+    prefilled = prefill.ask(prompt, True)
+    astray = {**prefilled["params"], "remote_engine_id": "gone", "remote_port": _free_port()}
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens,
+                            extra_args={"kv_transfer_params": astray})
+    (out,) = decode.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert (out.outputs[0].finish_reason, list(out.outputs[0].token_ids)) == ("error", [])
+    tokens, hits, _ = decode_after(prefill.ask(prompt, True), decode, prompt)
     assert (tokens, hits) == (reference[tuple(prompt)], {"p2p": len(prompt)})
