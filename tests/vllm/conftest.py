@@ -27,8 +27,8 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def make_engine(model: str, mode: str, **overrides):
-    """``mode``: "kvbackend", "vllm-apc" (vLLM's own prefix caching) or "no-cache"."""
+def engine_args(model: str, mode: str, **overrides) -> dict:
+    """``vllm.LLM``'s keyword arguments for ``make_engine``."""
     kwargs = dict(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True,
                   block_size=BLOCK_SIZE, kv_cache_memory_bytes=32 << 20, seed=0)
     if mode == "kvbackend":
@@ -36,7 +36,12 @@ def make_engine(model: str, mode: str, **overrides):
     else:
         kwargs["enable_prefix_caching"] = mode == "vllm-apc"
     kwargs.update(overrides)
-    return vllm.LLM(**kwargs)
+    return kwargs
+
+
+def make_engine(model: str, mode: str, **overrides):
+    """``mode``: "kvbackend", "vllm-apc" (vLLM's own prefix caching) or "no-cache"."""
+    return vllm.LLM(**engine_args(model, mode, **overrides))
 
 
 def shutdown(llm) -> None:

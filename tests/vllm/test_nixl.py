@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation over vLLM's NIXL connector, kvbackend on both sides: a
-prefill engine in its own process (``nixl_prefill.py``) and a decode engine here, real
-vLLM CPU engines moving KV through NIXL's UCX backend.
+prefill engine in its own process (``kvbackend/testing/prefill_peer.py``) and a decode
+engine here, real vLLM CPU engines moving KV through NIXL's UCX backend.
 
 The decode instance pulls only what its token-exact local hit lacks: NIXL pulls into the
 blocks of the request's table that carry no vLLM block hash, and kvbackend hashes exactly
@@ -12,22 +12,18 @@ nothing. Greedy outputs always equal vLLM's without any cache.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import socket
-import subprocess
-import sys
 
 import pytest
 from vllm import SamplingParams
 
-from kvbackend.vllm import engine_kwargs
 from kvbackend.core import cdiv
+from kvbackend.testing.prefill_peer import PrefillPeer, free_port, own_side_channel
+from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
-    BLOCK_SIZE, cached_by_source, greedy_outputs, make_engine, random_tokens, shutdown,
+    BLOCK_SIZE, cached_by_source, engine_args, greedy_outputs, make_engine, random_tokens,
+    shutdown,
 )
-from tests.vllm.nixl_prefill import REPLY
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -38,62 +34,19 @@ FIRST = BASE + random_tokens(_rng, 11)
 SECOND = BASE + random_tokens(_rng, 40)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Prefill:
-    """The prefill engine's process, one JSON line per request."""
-
-    def __init__(self, model: str) -> None:
-        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
-               "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.nixl_prefill", model,
-             str(PREFILL_BLOCKS * 32 * 1024)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-        assert self._reply() == "ready"
-
-    def ask(self, prompt: list[int], remote_decode: bool) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "remote_decode": remote_decode})
-                              + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._reply())
-
-    def _reply(self) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                return line[len(REPLY):].strip()
-        raise RuntimeError(f"the prefill engine exited ({self.proc.wait()})")
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def prefill(tiny_model):
-    engine = Prefill(tiny_model)
-    yield engine
-    engine.close()
+    peer = PrefillPeer(engine_args(tiny_model, "kvbackend", max_model_len=512,
+                                   kv_cache_memory_bytes=PREFILL_BLOCKS * 32 * 1024,
+                                   **engine_kwargs(NIXL)))
+    yield peer
+    peer.close()
 
 
 @pytest.fixture(scope="module")
 def decode(tiny_model):
-    saved = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())  # the engine core's
-    try:
+    with own_side_channel():
         llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False, **engine_kwargs(NIXL))
-    finally:
-        if saved is None:
-            del os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]
-        else:
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = saved
     yield llm
     shutdown(llm)
 
@@ -151,7 +104,7 @@ def test_a_failed_pull_fails_its_request_and_publishes_nothing(prefill, decode, 
     prompt = random_tokens(random.Random(13), 4 * BLOCK_SIZE + 3)
     reference = greedy_outputs(reference_llm, [prompt], GREEDY)
     prefilled = prefill.ask(prompt, True)
-    astray = {**prefilled["params"], "remote_engine_id": "gone", "remote_port": _free_port()}
+    astray = {**prefilled["params"], "remote_engine_id": "gone", "remote_port": free_port()}
     params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens,
                             extra_args={"kv_transfer_params": astray})
     (out,) = decode.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

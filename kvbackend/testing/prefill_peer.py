@@ -1,0 +1,104 @@
+"""A prefill instance for prefill/decode disaggregation over vLLM's NIXL connector, in its
+own process (a NIXL peer must be another process), driven one JSON line at a time; for
+tests and benchmarks (``PrefillPeer`` starts and drives it).
+
+    python -m kvbackend.testing.prefill_peer ENGINE_KWARGS_JSON
+
+The process builds ``vllm.LLM(**engine_kwargs)`` (their ``kv_transfer_config`` selects
+NIXL), prints ``REPLY + "ready"``, then answers each line ``{"prompt": [...],
+"remote_decode": bool, "max_tokens": n}`` with ``REPLY`` and ``{"params": ...,
+"tokens": [...], "cached": n, "seconds": s}``: with ``remote_decode`` the request is
+prefilled for a decode instance (one token; ``params`` is what that instance needs to
+pull its KV, which this engine holds until it did), else served here. vLLM logs to
+stdout too: replies are the lines after ``REPLY``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+REPLY = "prefill_peer: "
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for NIXL's side channel)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def own_side_channel():
+    """An engine built inside the block gets its own NIXL side-channel port (its engine
+    core reads ``VLLM_NIXL_SIDE_CHANNEL_PORT`` as it starts); the variable is restored."""
+    saved = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+        else:
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = saved
+
+
+class PrefillPeer:
+    """The prefill process, started with ``engine_kwargs`` and its own NIXL side-channel
+    port; ``ask`` sends one request and returns its reply."""
+
+    def __init__(self, engine_kwargs: dict) -> None:
+        env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+               "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, json.dumps(engine_kwargs)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env)
+        if self._reply() != "ready":
+            raise RuntimeError("the prefill process did not start")
+
+    def ask(self, prompt: list[int], remote_decode: bool, max_tokens: int = 4) -> dict:
+        order = {"prompt": prompt, "remote_decode": remote_decode, "max_tokens": max_tokens}
+        self.proc.stdin.write(json.dumps(order) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._reply())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _reply(self) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return line[len(REPLY):].strip()
+        raise RuntimeError(f"the prefill process exited ({self.proc.wait()})")
+
+
+def main() -> None:
+    import vllm
+
+    llm = vllm.LLM(**json.loads(sys.argv[1]))
+    print(REPLY + "ready", flush=True)
+    for line in sys.stdin:
+        order = json.loads(line)
+        remote = order["remote_decode"]
+        params = vllm.SamplingParams(
+            temperature=0, max_tokens=1 if remote else order["max_tokens"],
+            extra_args={"kv_transfer_params": {"do_remote_decode": True}} if remote else {})
+        start = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": order["prompt"]}], params, use_tqdm=False)
+        print(REPLY + json.dumps({
+            "params": out.kv_transfer_params, "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens or 0, "seconds": time.perf_counter() - start}),
+            flush=True)
+
+
+if __name__ == "__main__":
+    main()
