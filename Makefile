@@ -66,7 +66,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP) $(SGL_STAMP)
 	mkdir -p $(REPORT)
 	set -o pipefail; for b in bench_core bench_block_copy bench_block_mover bench_scheduler bench_explain \
-	    bench_e2e bench_remote; do \
+	    bench_e2e bench_remote bench_pd; do \
 	    $(PY) benchmarks/$$b.py | tee $(REPORT)/$$b.txt || exit 1; done
 	set -o pipefail; $(PY) benchmarks/bench_tiers.py --json $(REPORT)/bench_tiers.json \
 	    | tee $(REPORT)/bench_tiers.txt

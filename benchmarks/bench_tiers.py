@@ -41,17 +41,26 @@ def build_model(root: str) -> str:
                             max_position_embeddings=16384)
 
 
-def engine(model: str, mode: str, kv_tokens: int, **tiers):
-    import vllm
+def engine_args(model: str, mode: str, kv_tokens: int, kv_transfer_config=None,
+                **tiers) -> dict:
+    """``vllm.LLM``'s keyword arguments: ``mode`` "kvbackend" (with ``tiers``), "vllm-apc"
+    or "no-cache"; ``kv_transfer_config`` another KV connector."""
     from kvbackend.vllm import engine_kwargs
     kwargs = dict(model=model, dtype="float32", max_model_len=min(8192, kv_tokens - 2 * BLOCK),
                   enforce_eager=True,
                   block_size=BLOCK, kv_cache_memory_bytes=kv_tokens * BYTES_PER_TOKEN, seed=0)
     if mode == "kvbackend":
-        kwargs.update(engine_kwargs(**tiers))
+        kwargs.update(engine_kwargs(kv_transfer_config, **tiers))
     else:
         kwargs["enable_prefix_caching"] = mode == "vllm-apc"
-    return vllm.LLM(**kwargs)
+        if kv_transfer_config is not None:
+            kwargs["kv_transfer_config"] = kv_transfer_config
+    return kwargs
+
+
+def engine(model: str, mode: str, kv_tokens: int, **tiers):
+    import vllm
+    return vllm.LLM(**engine_args(model, mode, kv_tokens, **tiers))
 
 
 def shutdown(llm) -> None:
