@@ -182,10 +182,11 @@ class AsyncLoadConnector(SchedulerSideConnector):
         return KVConnectorMetadata()
 
 
-def test_an_asynchronous_load_is_published_once_it_loaded(config):
-    """Before: ``allocate_slots(delay_cache_blocks=True)`` raised into the step loop."""
+def async_load_scheduler(config, **transfer) -> KVBackendScheduler:
+    """kvbackend's scheduler over 16 blocks of one attention layer, with
+    ``AsyncLoadConnector``."""
     config = with_connector(config, kv_connector="AsyncLoadConnector", kv_role="kv_both",
-                            kv_connector_module_path=__name__, kv_load_failure_policy="recompute")
+                            kv_connector_module_path=__name__, **transfer)
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32,
                              dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
@@ -193,6 +194,12 @@ def test_an_asynchronous_load_is_published_once_it_loaded(config):
     config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     scheduler = KVBackendScheduler(config, kv_cache_config, StructuredOutputManager(config),
                                    block_size=BLOCK_SIZE)
+    return scheduler
+
+
+def test_an_asynchronous_load_is_published_once_it_loaded(config):
+    """Before: ``allocate_slots(delay_cache_blocks=True)`` raised into the step loop."""
+    scheduler = async_load_scheduler(config, kv_load_failure_policy="recompute")
     prompts = {"load-ok": PROMPT, "load-failed": PROMPT[::-1]}  # 3 full blocks held each
     for request_id, prompt in prompts.items():
         scheduler.add_request(hashed_request(request_id, prompt))
@@ -228,15 +235,7 @@ def test_a_connectors_table_hashes_exactly_the_blocks_taken_from_the_cache(confi
     """NIXL pulls into the blocks of a request's table that carry no vLLM block hash
     (``get_unhashed_block_ids_all_groups``): the blocks past the local hit. Before, every
     block of kvbackend's tables was unhashed (NIXL was refused for it)."""
-    config = with_connector(config, kv_connector="AsyncLoadConnector", kv_role="kv_both",
-                            kv_connector_module_path=__name__)
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32,
-                             dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    scheduler = KVBackendScheduler(config, kv_cache_config, StructuredOutputManager(config),
-                                   block_size=BLOCK_SIZE)
+    scheduler = async_load_scheduler(config)
     manager = scheduler.kv_cache_manager
 
     def admit(request_id: str, prompt: list[int]) -> Request:
