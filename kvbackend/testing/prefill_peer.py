@@ -68,11 +68,14 @@ class PrefillPeer:
         return json.loads(self._reply())
 
     def close(self) -> None:
+        """End the process: it shuts its engine down (its engine core and worker are
+        processes of their own), or is killed after a minute."""
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
 
     def _reply(self) -> str:
         for line in self.proc.stdout:
@@ -85,19 +88,26 @@ def main() -> None:
     import vllm
 
     llm = vllm.LLM(**json.loads(sys.argv[1]))
-    print(REPLY + "ready", flush=True)
-    for line in sys.stdin:
-        order = json.loads(line)
-        remote = order["remote_decode"]
-        params = vllm.SamplingParams(
-            temperature=0, max_tokens=1 if remote else order["max_tokens"],
-            extra_args={"kv_transfer_params": {"do_remote_decode": True}} if remote else {})
-        start = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": order["prompt"]}], params, use_tqdm=False)
-        print(REPLY + json.dumps({
-            "params": out.kv_transfer_params, "tokens": list(out.outputs[0].token_ids),
-            "cached": out.num_cached_tokens or 0, "seconds": time.perf_counter() - start}),
-            flush=True)
+    try:
+        print(REPLY + "ready", flush=True)
+        for line in sys.stdin:
+            print(REPLY + json.dumps(serve(llm, json.loads(line))), flush=True)
+    finally:  # a worker left behind would spin on a core
+        llm.llm_engine.engine_core.shutdown()
+
+
+def serve(llm, order: dict) -> dict:
+    """One request of the driving process (see the module docstring)."""
+    import vllm
+
+    remote = order["remote_decode"]
+    params = vllm.SamplingParams(
+        temperature=0, max_tokens=1 if remote else order["max_tokens"],
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}} if remote else {})
+    start = time.perf_counter()
+    (out,) = llm.generate([{"prompt_token_ids": order["prompt"]}], params, use_tqdm=False)
+    return {"params": out.kv_transfer_params, "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens or 0, "seconds": time.perf_counter() - start}
 
 
 if __name__ == "__main__":
