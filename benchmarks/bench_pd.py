@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 import time
 
 from bench_tiers import build_model, doc, engine_args, shutdown
@@ -84,13 +85,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system", type=int, default=1024, help="system prompt tokens")
     args = parser.parse_args()
-    import tempfile
-    model = build_model(tempfile.mkdtemp(prefix="bench-pd-"))
     rng = random.Random(5)
     system = doc(rng, args.system)
     conversations = [[(system if t == 0 else []) + doc(rng, USER_TOKENS)
                       for t in range(args.turns)] for _ in range(args.conversations)]
-    results = {mode: run(model, mode, conversations) for mode in ("kvbackend", "vllm-apc")}
+    with tempfile.TemporaryDirectory(prefix="bench-pd-") as root:  # the model's files
+        model = build_model(root)
+        results = {mode: run(model, mode, conversations) for mode in ("kvbackend", "vllm-apc")}
     if results["kvbackend"]["replies"] != results["vllm-apc"]["replies"]:
         raise SystemExit("greedy replies differ between kvbackend and vLLM's prefix caching")
     print(f"{args.conversations} conversations x {args.turns} turns, system prompt "
