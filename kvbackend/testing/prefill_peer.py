@@ -7,9 +7,11 @@ tests and benchmarks (``PrefillPeer`` starts and drives it).
 The process builds ``vllm.LLM(**engine_kwargs)`` (their ``kv_transfer_config`` selects
 NIXL), prints ``REPLY + "ready"``, then answers each line ``{"prompt": [...],
 "remote_decode": bool, "max_tokens": n}`` with ``REPLY`` and ``{"params": ...,
-"tokens": [...], "cached": n, "seconds": s}``: with ``remote_decode`` the request is
-prefilled for a decode instance (one token; ``params`` is what that instance needs to
-pull its KV, which this engine holds until it did), else served here. vLLM logs to
+"tokens": [...], "cached": n, "seconds": s, "nixl_bytes": b}``: with ``remote_decode``
+the request is prefilled for a decode instance (one token; ``params`` is what that
+instance needs to pull its KV, or to have it pushed, which this engine holds until then),
+else served here. ``nixl_bytes``: the bytes this engine's NIXL transfers moved so far
+(pushed, in push mode; with ``disable_log_stats=False``). vLLM logs to
 stdout too: replies are the lines after ``REPLY``.
 """
 
@@ -24,6 +26,7 @@ import sys
 import time
 
 REPLY = "prefill_peer: "
+NIXL_BYTES = "vllm:nixl_bytes_transferred"  # vLLM's histogram of bytes per NIXL transfer
 
 
 def free_port() -> int:
@@ -106,8 +109,10 @@ def serve(llm, order: dict) -> dict:
         extra_args={"kv_transfer_params": {"do_remote_decode": True}} if remote else {})
     start = time.perf_counter()
     (out,) = llm.generate([{"prompt_token_ids": order["prompt"]}], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    nixl_bytes = sum(m.sum for m in llm.get_metrics() if m.name == NIXL_BYTES)
     return {"params": out.kv_transfer_params, "tokens": list(out.outputs[0].token_ids),
-            "cached": out.num_cached_tokens or 0, "seconds": time.perf_counter() - start}
+            "cached": out.num_cached_tokens or 0, "seconds": seconds, "nixl_bytes": nixl_bytes}
 
 
 if __name__ == "__main__":

@@ -8,25 +8,27 @@ connector delays their free (``delay_free_blocks``, until its ``finished_sending
 a connector loads, synchronously or not, are published to kvbackend's tree only once
 vLLM counts them as loaded. In the tables a connector reads (``get_blocks``) the blocks
 the request took from the cache or published carry vLLM's block hash, the others none,
-as in vLLM's block pool: NIXL tells the blocks it pulls into from the local hit that way
+as in vLLM's block pool: NIXL tells the blocks it moves into from the local hit that way
 (``KVCacheBlocks.get_unhashed_block_ids_all_groups``). What kvbackend does not provide
 is vLLM's hash-based block pool itself: vLLM's ``BlockPool`` and coordinator stay
 empty. A connector that reads them, or that kvbackend has not run, is refused at start
 (``connector_refusals``):
 
 - ``UNSERVED``, each with its reason: vLLM's offloading connector reads its
-  coordinator; NIXL's push mode, Mooncake's P/D connector and HF3FS tell the local
-  hit's blocks apart as NIXL's pull mode does, but no test of kvbackend runs them (push
-  needs the decode instance to register before the prefill runs; the others a
-  transfer engine or file system);
+  coordinator; Mooncake's P/D connector and HF3FS tell the local hit's blocks apart as
+  NIXL does, but no test of kvbackend runs them (they need a transfer engine or file
+  system);
 - a connector that overrides ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``
   reads vLLM's block pool or its manager's internals (e.g. the coordinator).
 
-NIXL's pull mode (prefill/decode disaggregation) runs on either side: a prefill
-instance holds a finished request's blocks, shared cached ones included (never written
-while a request holds them), until the decode instance read them; a decode instance
-pulls into the blocks past its local token-exact hit, and publishes them once pulled
-(``tests/vllm/test_nixl.py``: real engines in two processes over NIXL's UCX backend).
+NIXL (prefill/decode disaggregation), pull mode (``NixlConnector``) and push mode
+(``NixlPushConnector``), runs on either side: a prefill instance holds a finished
+request's blocks, shared cached ones included (never written while a request holds
+them), until they were moved; a decode instance receives into the blocks past its local
+token-exact hit (it reads them, or names them to the prefill instance, which writes
+them), and publishes them once received (``tests/vllm/test_nixl.py``: real engines in
+two processes over NIXL's UCX backend; ``tests/vllm/test_nixl_tiers.py``: composed
+with kvbackend's host tier on both instances).
 
 kvbackend's own tiers plus another connector run under vLLM's ``MultiConnector``
 (``compose``): the tier connector first, so a request loads from host/disk/remote when
@@ -43,13 +45,12 @@ from typing import Any
 from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 
 MULTI_CONNECTOR = "MultiConnector"
-_UNCHECKED = ("it would run as NIXL's pull mode does, but no test of kvbackend runs {} "
-              "(not checked; NixlConnector and NixlPullConnector are served)")
+_UNCHECKED = ("it would run as NIXL does, but no test of kvbackend runs {} (not checked; "
+              "NixlConnector, NixlPullConnector and NixlPushConnector are served)")
 UNSERVED = {
     "OffloadingConnector": "it reads vLLM's KV-cache coordinator and block hashes, which "
                            "kvbackend leaves unused (kvbackend's host, disk and remote "
                            "tiers do its job)",
-    "NixlPushConnector": _UNCHECKED.format("NIXL's push mode"),
     "MooncakeConnector": _UNCHECKED.format("Mooncake's transfer engine"),
     "HF3FSKVConnector": _UNCHECKED.format("the 3FS file system"),
 }

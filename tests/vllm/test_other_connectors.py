@@ -109,9 +109,10 @@ def test_connectors_that_read_vllms_pool_or_are_unchecked_are_refused(config, tm
     tiers = engine_kwargs(host_cache_gb=1)["kv_transfer_config"]
     assert unsupported_features(with_connector(config, **example)) == []
     assert unsupported_features(with_connector(config, **compose(tiers, example))) == []
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    assert unsupported_features(with_connector(config, **nixl)) == []  # test_nixl.py
-    assert unsupported_features(with_connector(config, **compose(tiers, nixl))) == []
+    for mode in ("NixlConnector", "NixlPushConnector"):  # test_nixl.py, test_nixl_tiers.py
+        nixl = {"kv_connector": mode, "kv_role": "kv_both"}
+        assert unsupported_features(with_connector(config, **nixl)) == []
+        assert unsupported_features(with_connector(config, **compose(tiers, nixl))) == []
     offloading = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
     reason = ("KV connector OffloadingConnector: it reads vLLM's KV-cache coordinator and "
               "block hashes, which kvbackend leaves unused (kvbackend's host, disk and remote "
@@ -120,9 +121,9 @@ def test_connectors_that_read_vllms_pool_or_are_unchecked_are_refused(config, tm
     assert unsupported_features(with_connector(config, **compose(tiers, offloading))) == [reason]
     mooncake = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}
     assert connector_refusals(KVTransferConfig(**mooncake)) == [
-        "KV connector MooncakeConnector: it would run as NIXL's pull mode does, but no test of "
-        "kvbackend runs Mooncake's transfer engine (not checked; NixlConnector and "
-        "NixlPullConnector are served)"]
+        "KV connector MooncakeConnector: it would run as NIXL does, but no test of kvbackend "
+        "runs Mooncake's transfer engine (not checked; NixlConnector, NixlPullConnector and "
+        "NixlPushConnector are served)"]
     simple = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"}
     assert connector_refusals(KVTransferConfig(**simple)) == [
         "KV connector SimpleCPUOffloadConnector: it reads vLLM's block pool or KV-cache manager "

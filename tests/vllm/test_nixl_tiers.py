@@ -1,0 +1,92 @@
+"""Prefill/decode disaggregation over NIXL with kvbackend's host tier on both instances,
+composed through vLLM's ``MultiConnector`` (``engine_kwargs(NIXL, host_cache_gb=...)``):
+real vLLM CPU engines, the prefill instance in its own process.
+
+vLLM's ``MultiConnector`` gives a request to the first connector with a hit past the
+local one, and kvbackend's tier connector comes first: a decoder whose host tier holds
+part of a prompt loads that part and computes the rest, and NIXL only tells the prefill
+instance to free its blocks. A pull that fails is recomputed (the tier connector's
+``kv_load_failure_policy``) and publishes nothing. The prefill instance holds a
+prefilled request's blocks until both connectors are done with them. Greedy outputs
+always equal vLLM's without any cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvbackend.core import cdiv
+from kvbackend.testing.prefill_peer import PrefillPeer, free_port, own_side_channel
+from kvbackend.vllm import engine_kwargs
+from tests.vllm.conftest import (
+    BLOCK_SIZE, engine_args, generate, greedy_outputs, make_engine, random_tokens, shutdown,
+)
+from tests.vllm.nixl_harness import GREEDY, NIXL, decode_after, moved_bytes
+from tests.vllm.tier_harness import host_gb
+
+PREFILL_BLOCKS = 64  # the prefill engine's device pool, in blocks
+TIERS_AND_NIXL = engine_kwargs(NIXL, host_cache_gb=host_gb(32))
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_model):
+    peer = PrefillPeer(engine_args(tiny_model, "kvbackend", max_model_len=512,
+                                   kv_cache_memory_bytes=PREFILL_BLOCKS * 32 * 1024,
+                                   disable_log_stats=False, **TIERS_AND_NIXL))
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model):
+    with own_side_channel():
+        llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False, **TIERS_AND_NIXL)
+    yield llm
+    shutdown(llm)
+
+
+def test_a_host_tier_hit_serves_the_decoder_and_nixl_frees_the_prefill(
+        prefill, decode, reference_llm):
+    rng = random.Random(21)
+    prompt = random_tokens(rng, 3 * BLOCK_SIZE + 7)
+    longer = prompt + random_tokens(rng, 40)
+    reference = greedy_outputs(reference_llm, (prompt, longer), GREEDY)
+    tokens, hits = decode_after(prefill.ask(prompt, True), decode, prompt)
+    assert (tokens, hits) == (reference[tuple(prompt)], {"p2p": len(prompt)})
+    assert decode.reset_prefix_cache()  # the device forgets; the host tier keeps the pull
+    before = moved_bytes(prefill, decode)
+    tokens, hits = decode_after(prefill.ask(longer, True), decode, longer)
+    assert (tokens, hits) == (reference[tuple(longer)], {"host": 3 * BLOCK_SIZE})
+    assert moved_bytes(prefill, decode) == before
+
+
+def test_the_prefill_holds_its_blocks_through_pressure_on_device_and_host(
+        prefill, decode, reference_llm):
+    rng = random.Random(22)
+    prompt = random_tokens(rng, 5 * BLOCK_SIZE + 3)
+    prefilled = prefill.ask(prompt, True)
+    for _ in range(PREFILL_BLOCKS // 8):  # 80 blocks through 64 on the device, 32 on host
+        prefill.ask(random_tokens(rng, 10 * BLOCK_SIZE), False)
+    reference = greedy_outputs(reference_llm, [prompt], GREEDY)
+    before = moved_bytes(prefill, decode)
+    tokens, hits = decode_after(prefilled, decode, prompt)
+    assert (tokens, hits) == (reference[tuple(prompt)], {"p2p": len(prompt)})
+    assert moved_bytes(prefill, decode) - before == cdiv(len(prompt), BLOCK_SIZE) * 32 * 1024
+
+
+def test_a_failed_pull_is_recomputed_on_the_decoder(prefill, decode, reference_llm):
+    """The prefill instance named is not there: the request computes the prompt itself,
+    and what it published serves the next request for it."""
+    prompt = random_tokens(random.Random(23), 4 * BLOCK_SIZE + 3)
+    reference = greedy_outputs(reference_llm, [prompt], GREEDY)
+    prefilled = prefill.ask(prompt, True)
+    astray = {"params": {**prefilled["params"], "remote_engine_id": "gone",
+                         "remote_port": free_port()}}
+    before = moved_bytes(prefill, decode)
+    tokens, _ = decode_after(astray, decode, prompt)
+    assert (tokens, moved_bytes(prefill, decode)) == (reference[tuple(prompt)], before)
+    (out,) = generate(decode, [prompt], GREEDY)
+    assert (list(out.outputs[0].token_ids), out.num_cached_tokens) == (
+        reference[tuple(prompt)], len(prompt) - 1)
