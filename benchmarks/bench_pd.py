@@ -41,11 +41,11 @@ def run(model: str, mode: str, conversations: list[list[list[int]]]) -> dict:
     system prompt too) through a prefill process and a decode engine in ``mode``."""
     import vllm
 
-    from kvbackend.testing.prefill_peer import PrefillPeer, own_side_channel
+    from kvbackend.testing.prefill_peer import PrefillPeer, nixl_engine
 
     args = engine_args(model, mode, KV_TOKENS, kv_transfer_config=NIXL)
     prefill = PrefillPeer(args)
-    with own_side_channel():
+    with nixl_engine():
         decode = vllm.LLM(**args, disable_log_stats=False)
     warm_up = [1] * (2 * 128 + 5)  # NIXL's handshake and the hit paths, untimed
     decode.generate([{"prompt_token_ids": warm_up}], vllm.SamplingParams(

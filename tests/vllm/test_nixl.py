@@ -21,7 +21,7 @@ import pytest
 from vllm import SamplingParams
 
 from kvbackend.core import cdiv
-from kvbackend.testing.prefill_peer import PrefillPeer, free_port, own_side_channel
+from kvbackend.testing.prefill_peer import PrefillPeer, free_port, nixl_engine
 from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
     BLOCK_SIZE, engine_args, greedy_outputs, make_engine, random_tokens, shutdown,
@@ -52,7 +52,7 @@ def prefill(tiny_model, nixl):
 
 @pytest.fixture(scope="module")
 def decode(tiny_model, nixl):
-    with own_side_channel():
+    with nixl_engine():
         llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False, **engine_kwargs(nixl))
     yield llm
     shutdown(llm)

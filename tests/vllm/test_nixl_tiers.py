@@ -18,7 +18,7 @@ import random
 import pytest
 
 from kvbackend.core import cdiv
-from kvbackend.testing.prefill_peer import PrefillPeer, free_port, own_side_channel
+from kvbackend.testing.prefill_peer import PrefillPeer, free_port, nixl_engine
 from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
     BLOCK_SIZE, engine_args, generate, greedy_outputs, make_engine, random_tokens, shutdown,
@@ -41,7 +41,7 @@ def prefill(tiny_model):
 
 @pytest.fixture(scope="module")
 def decode(tiny_model):
-    with own_side_channel():
+    with nixl_engine():
         llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False, **TIERS_AND_NIXL)
     yield llm
     shutdown(llm)
