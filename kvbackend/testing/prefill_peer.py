@@ -20,20 +20,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
+from kvbackend.testing.ports import free_port
+
 REPLY = "prefill_peer: "
 NIXL_BYTES = "vllm:nixl_bytes_transferred"  # vLLM's histogram of bytes per NIXL transfer
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (for NIXL's side channel)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nixl_engine_env() -> dict[str, str]:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from kvbackend.testing.ports import free_port
 
 BINARY_ENV = "KVBACKEND_REDIS_SERVER"
 
@@ -56,12 +57,6 @@ def _make_certificates(directory: Path) -> None:
             "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "server.crt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """One server process: no persistence (``--save ''``, no AOF), loopback only.
 
@@ -76,7 +71,7 @@ class RedisServer:
                  tls: bool = False) -> None:
         self.binary, self.directory = binary, Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.maxmemory, self.policy, self.password, self.tls = maxmemory, policy, password, tls
         self.process: subprocess.Popen | None = None
         if tls:

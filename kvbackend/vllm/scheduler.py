@@ -84,7 +84,9 @@ def unsupported_features(config: VllmConfig,
         "Mamba / linear-attention hybrids together with speculative decoding (vLLM's "
         "speculative state blocks)": states and spec is not None,
         "Mamba / linear-attention hybrids together with a KV connector other than "
-        "kvbackend's tiers (it moves attention KV pages, not state checkpoints)":
+        "kvbackend's tiers (not checked: most move attention KV pages only; NIXL moves state "
+        "too, but on the CPU build vLLM's own prefix caching with NIXL already decodes unlike "
+        "greedy without cache once the decode instance hits locally)":
             states and not all(map(is_tier_connector, child_configs(transfer))),
         "KV-cache groups with different block sizes (one logical block spans every group)":
             kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config),

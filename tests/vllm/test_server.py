@@ -15,7 +15,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from kvbackend.testing.ports import free_port
 
 pytest.importorskip("vllm")
 
@@ -45,12 +46,6 @@ EXPLAIN_FILE = "misses.jsonl"  # explain_misses, next to the server's log
 def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path, n: int = 60) -> str:
@@ -96,7 +91,7 @@ def bad_starts(tiny_model):
     started = {}
     for name, (flags, _) in BAD_STARTS.items():
         cmd = [sys.executable, "-m", SERVER_MODULE, "--model", tiny_model,
-               "--port", str(_free_port()), *flags]
+               "--port", str(free_port()), *flags]
         started[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                           stdin=subprocess.DEVNULL, env=_env(),
                                           start_new_session=True), time.monotonic())
@@ -186,7 +181,7 @@ def server(tiny_model, tmp_path_factory):
     """One server for the module: a device cache of DEVICE_BYTES (128 blocks of the tiny
     model), a host tier twice that (so a prefix pushed out of the device can still be on
     host) and a disk tier."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     disk_dir = str(tmp_path_factory.mktemp("disk-cache"))
     backend_config = {"max_pinned_fraction": 0.25, "host_cache_gb": HOST_BYTES / (1 << 30),

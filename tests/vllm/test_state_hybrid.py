@@ -248,6 +248,8 @@ def test_hybrids_are_served_with_async_scheduling(qwen3_next):
      "together with a KV connector other than kvbackend's tiers"),
     (engine_kwargs(example_connector("/nonexistent"), host_cache_gb=0.01),
      "together with a KV connector other than kvbackend's tiers"),
+    (engine_kwargs({"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
+     "NIXL moves state too, but on the CPU build vLLM's own prefix caching"),
     (engine_kwargs(host_cache_gb=0.01), None),
 ])
 def test_what_hybrids_are_not_served_with_is_refused(qwen3_next, extra, reason):
