@@ -16,8 +16,8 @@ empty. A connector that reads them, or that kvbackend has not run, is refused at
 
 - ``UNSERVED``, each with its reason: vLLM's offloading connector reads its
   coordinator; Mooncake's P/D connector and HF3FS tell the local hit's blocks apart as
-  NIXL does, but no test of kvbackend runs them (they need a transfer engine or file
-  system);
+  NIXL does, but no test of kvbackend runs them (Mooncake's transfer engine does not
+  load without a GPU; HF3FS needs the 3FS file system);
 - a connector that overrides ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``
   reads vLLM's block pool or its manager's internals (e.g. the coordinator).
 
@@ -51,7 +51,8 @@ UNSERVED = {
     "OffloadingConnector": "it reads vLLM's KV-cache coordinator and block hashes, which "
                            "kvbackend leaves unused (kvbackend's host, disk and remote "
                            "tiers do its job)",
-    "MooncakeConnector": _UNCHECKED.format("Mooncake's transfer engine"),
+    "MooncakeConnector": _UNCHECKED.format("Mooncake's transfer engine (its wheel links the "
+                                           "CUDA driver and libibverbs: no load without a GPU)"),
     "HF3FSKVConnector": _UNCHECKED.format("the 3FS file system"),
 }
 

@@ -122,7 +122,8 @@ def test_connectors_that_read_vllms_pool_or_are_unchecked_are_refused(config, tm
     mooncake = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}
     assert connector_refusals(KVTransferConfig(**mooncake)) == [
         "KV connector MooncakeConnector: it would run as NIXL does, but no test of kvbackend "
-        "runs Mooncake's transfer engine (not checked; NixlConnector, NixlPullConnector and "
+        "runs Mooncake's transfer engine (its wheel links the CUDA driver and libibverbs: no "
+        "load without a GPU) (not checked; NixlConnector, NixlPullConnector and "
         "NixlPushConnector are served)"]
     simple = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"}
     assert connector_refusals(KVTransferConfig(**simple)) == [
