@@ -1,16 +1,16 @@
 """Prefill/decode disaggregation over vLLM's NIXL connector (CPU, UCX backend): kvbackend
 vs vLLM's own prefix caching, on both instances, side by side in one run.
 
-    python benchmarks/bench_pd.py [--conversations 3] [--turns 4] [--system 1024]
+    python benchmarks/bench_pd.py [--conversations 3] [--turns 4] [--system 1024] [--push]
 
 Conversations share a system prompt; each turn's prompt is the previous turn's prompt, the
 decode instance's reply (32 tokens) and a new user message (200 tokens), the turns of all
 conversations taken in rounds. A turn is prefilled on the prefill instance (its own
 process; one token, its KV held for the decode instance), then decoded on the decode
-instance (this process), which pulls the KV its own device cache lacks. Per mode: prompt
-tokens the prefill instance computed (not hit in its cache), its prefill time, the bytes
-the decode instance pulled, the prompt tokens it hit on its device, and its time (pull and
-decode). Greedy replies must be the same in both modes. Model as in bench_tiers.py
+instance (this process), which pulls the KV its own device cache lacks (``--push``: NIXL's
+push mode, where the prefill instance writes it). Per mode: prompt tokens the prefill
+instance computed (not hit in its cache), its prefill time, the bytes the decode instance
+received, the prompt tokens it hit on its device, and its time (transfer and decode). Greedy replies must be the same in both modes. Model as in bench_tiers.py
 (random Llama, hidden 512, 8 layers, float32, block 128). Prints a markdown table.
 """
 
@@ -23,7 +23,7 @@ import time
 
 from bench_tiers import build_model, doc, engine_args, shutdown
 
-NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+NIXL = {"kv_role": "kv_both"}  # and the connector: NIXL's pull or push mode
 KV_TOKENS = 8192 + 256  # each instance's device cache: every conversation fits
 REPLY_TOKENS, USER_TOKENS = 32, 200
 
@@ -36,41 +36,44 @@ def metric_sum(llm, name: str, **labels) -> float:
     return total
 
 
-def run(model: str, mode: str, conversations: list[list[list[int]]]) -> dict:
+def run(model: str, mode: str, conversations: list[list[list[int]]], nixl: dict) -> dict:
     """Serve every turn of ``conversations`` (their user messages; the first holds the
-    system prompt too) through a prefill process and a decode engine in ``mode``."""
+    system prompt too) through a prefill process and a decode engine in ``mode``, both
+    running the NIXL connector ``nixl``."""
     import vllm
 
-    from kvbackend.testing.prefill_peer import PrefillPeer, nixl_engine
+    from kvbackend.testing.prefill_peer import PrefillPeer, decode_prefilled, nixl_engine
 
-    args = engine_args(model, mode, KV_TOKENS, kv_transfer_config=NIXL)
-    prefill = PrefillPeer(args)
+    args = engine_args(model, mode, KV_TOKENS, kv_transfer_config=nixl)
+    prefill = PrefillPeer({**args, "disable_log_stats": False})
     with nixl_engine():
         decode = vllm.LLM(**args, disable_log_stats=False)
-    warm_up = [1] * (2 * 128 + 5)  # NIXL's handshake and the hit paths, untimed
-    decode.generate([{"prompt_token_ids": warm_up}], vllm.SamplingParams(
-        max_tokens=1, extra_args={"kv_transfer_params": prefill.ask(warm_up, True)["params"]}),
-        use_tqdm=False)
-    baseline = {"pulled": metric_sum(decode, "vllm:nixl_bytes_transferred"),
+
+    def moved_bytes() -> float:  # pulled: the decoder counts them; pushed: the prefiller
+        pushed = prefill.ask([1, 2, 3], remote_decode=False, max_tokens=1)["nixl_bytes"]
+        return pushed + metric_sum(decode, "vllm:nixl_bytes_transferred")
+
+    warm_up = [1] * (2 * 128 + 5)  # NIXL's handshakes and the hit paths, untimed
+    decode_prefilled(decode, prefill.ask(warm_up, True), warm_up,
+                     vllm.SamplingParams(max_tokens=1))
+    baseline = {"moved": moved_bytes(),
                 "hits": metric_sum(decode, "vllm:prompt_tokens_cached_by_source",
                                    source="device")}
     totals = dict(prefill_tokens=0, prefill_s=0.0, decode_s=0.0)
     replies, prompts = [], [[] for _ in conversations]
+    params = vllm.SamplingParams(temperature=0, max_tokens=REPLY_TOKENS, ignore_eos=True)
     for turn in range(len(conversations[0])):
         for c, messages in enumerate(conversations):
             prompts[c] = prompts[c] + messages[turn]
             prefilled = prefill.ask(prompts[c], remote_decode=True)
             totals["prefill_tokens"] += len(prompts[c]) - prefilled["cached"]
             totals["prefill_s"] += prefilled["seconds"]
-            params = vllm.SamplingParams(temperature=0, max_tokens=REPLY_TOKENS, ignore_eos=True,
-                                         extra_args={"kv_transfer_params": prefilled["params"]})
             start = time.perf_counter()
-            (out,) = decode.generate([{"prompt_token_ids": prompts[c]}], params, use_tqdm=False)
+            out = decode_prefilled(decode, prefilled, prompts[c], params)
             totals["decode_s"] += time.perf_counter() - start
             replies.append(list(out.outputs[0].token_ids))
             prompts[c] = prompts[c] + replies[-1]
-    totals["pulled_mib"] = (metric_sum(decode, "vllm:nixl_bytes_transferred")
-                            - baseline["pulled"]) / 2**20
+    totals["moved_mib"] = (moved_bytes() - baseline["moved"]) / 2**20
     totals["decode_hits"] = metric_sum(decode, "vllm:prompt_tokens_cached_by_source",
                                        source="device") - baseline["hits"]
     totals["replies"] = replies
@@ -84,6 +87,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system", type=int, default=1024, help="system prompt tokens")
+    parser.add_argument("--push", action="store_true",
+                        help="NIXL's push mode (NixlPushConnector) instead of pull")
     args = parser.parse_args()
     rng = random.Random(5)
     system = doc(rng, args.system)
@@ -91,17 +96,19 @@ def main() -> None:
                       for t in range(args.turns)] for _ in range(args.conversations)]
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as root:  # the model's files
         model = build_model(root)
-        results = {mode: run(model, mode, conversations) for mode in ("kvbackend", "vllm-apc")}
+        nixl = {**NIXL, "kv_connector": "NixlPushConnector" if args.push else "NixlConnector"}
+        results = {mode: run(model, mode, conversations, nixl)
+                   for mode in ("kvbackend", "vllm-apc")}
     if results["kvbackend"]["replies"] != results["vllm-apc"]["replies"]:
         raise SystemExit("greedy replies differ between kvbackend and vLLM's prefix caching")
-    print(f"{args.conversations} conversations x {args.turns} turns, system prompt "
-          f"{args.system} tokens, user messages {USER_TOKENS}, replies {REPLY_TOKENS}; "
-          "replies identical in both modes\n")
+    print(f"{nixl['kv_connector']}: {args.conversations} conversations x {args.turns} turns, "
+          f"system prompt {args.system} tokens, user messages {USER_TOKENS}, replies "
+          f"{REPLY_TOKENS}; replies identical in both modes\n")
     columns = [("prefill_tokens", "prefill: tokens computed", "{:.0f}"),
                ("prefill_s", "prefill: s", "{:.2f}"),
-               ("pulled_mib", "decode: MiB pulled", "{:.1f}"),
+               ("moved_mib", "decode: MiB received", "{:.1f}"),
                ("decode_hits", "decode: device-hit tokens", "{:.0f}"),
-               ("decode_s", "decode: s (pull + 32 tokens)", "{:.2f}")]
+               ("decode_s", "decode: s (transfer + 32 tokens)", "{:.2f}")]
     print("| mode | " + " | ".join(title for _, title, _ in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for mode, r in results.items():

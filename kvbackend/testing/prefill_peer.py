@@ -64,6 +64,27 @@ def nixl_engine():
                 os.environ[name] = value
 
 
+def decode_prefilled(llm, prefilled: dict, prompt: list[int], params):
+    """The decode instance's side: ``llm``'s finished output for ``prompt`` from the KV a
+    prefill instance holds for it (``prefilled``: ``PrefillPeer.ask``'s reply), with
+    ``params`` (``SamplingParams``; their ``kv_transfer_params`` are set here). The request
+    is named as the prefill's: NIXL's push mode pairs the two by id, as a P/D proxy gives
+    both requests the client's."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}),
+                         "kv_transfer_params": prefilled["params"]}
+    request_id = get_base_request_id(prefilled["params"]["remote_request_id"])
+    engine = llm.llm_engine
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise RuntimeError(f"request {request_id} did not finish")
+
+
 class PrefillPeer:
     """The prefill process, started with ``engine_kwargs`` and its own NIXL side-channel
     port; ``ask`` sends one request and returns its reply."""
