@@ -27,8 +27,9 @@ def engine_kwargs(kv_transfer_config: Any = None, **config: Any) -> dict[str, An
 
     Takes the keys of ``--kv-backend-config``; unknown keys raise ValueError.
     ``kv_transfer_config`` (a ``KVTransferConfig`` or its fields) adds another KV
-    connector: alone, or after the tier connector in vLLM's ``MultiConnector`` when a
-    tier is set (``kvbackend.vllm.connectors`` says which connectors are refused).
+    connector: alone, or with the tier connector in vLLM's ``MultiConnector`` when a
+    tier is set (``kvbackend.vllm.connectors.compose`` orders them, and the module says
+    which connectors are refused).
     vLLM's own hash-based prefix caching is switched off (kvbackend replaces it).
     A no-op logits processor checks each request's ``kv_priority``/``kv_pin`` in
     the API process (bad values: HTTP 400, or an error from ``LLM.generate``).

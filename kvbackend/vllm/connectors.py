@@ -30,9 +30,13 @@ them), and publishes them once received (``tests/vllm/test_nixl.py``: real engin
 two processes over NIXL's UCX backend; ``tests/vllm/test_nixl_tiers.py``: composed
 with kvbackend's host tier on both instances).
 
-kvbackend's own tiers plus another connector run under vLLM's ``MultiConnector``
-(``compose``): the tier connector first, so a request loads from host/disk/remote when
-they hold more than the local hit, else from the other connector; both save. Under
+kvbackend's own tiers plus other connectors run under vLLM's ``MultiConnector``
+(``compose``), which gives a request to the first connector with a hit past the local
+one; all save. The tier connector comes first, so a request loads from host/disk/remote
+when they hold more than the local hit, else from the others; P/D connectors (NIXL) come
+before it, as vLLM orders its own P/D setups: they hit only for a request a prefill
+instance computed, whose whole prompt that instance holds, and a partial tier hit would
+leave the decode instance to prefill the rest. Under
 async scheduling a connector that loads may do so outside the step order: the manager
 keeps its loads off the blocks a step in flight uses (``step_fence.py``).
 """
@@ -45,6 +49,7 @@ from typing import Any
 from kvbackend.vllm import TIER_CONNECTOR, TIER_CONNECTOR_MODULE
 
 MULTI_CONNECTOR = "MultiConnector"
+PD_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 _UNCHECKED = ("it would run as NIXL does, but no test of kvbackend runs {} (not checked; "
               "NixlConnector, NixlPullConnector and NixlPushConnector are served)")
 UNSERVED = {
@@ -117,16 +122,19 @@ def transfer_fields(kv_transfer_config: Any) -> dict[str, Any]:
 
 def compose(tier: dict[str, Any], other: Any) -> dict[str, Any]:
     """A ``MultiConnector`` config (``KVTransferConfig`` fields) running kvbackend's tier
-    connector ``tier`` first, then ``other`` (a config or its fields; a ``MultiConnector``
-    contributes its children)."""
+    connector ``tier`` and ``other`` (a config or its fields; a ``MultiConnector``
+    contributes its children): P/D connectors first, then the tier connector, then the
+    rest (see the module docstring)."""
     other = transfer_fields(other)
     if other.get("kv_connector") == MULTI_CONNECTOR:
         children = list((other.get("kv_connector_extra_config") or {}).get("connectors", []))
     else:
         children = [other]
+    disaggregation = [c for c in children if c.get("kv_connector") in PD_CONNECTORS]
+    rest = [c for c in children if c.get("kv_connector") not in PD_CONNECTORS]
     return {"kv_connector": MULTI_CONNECTOR, "kv_role": "kv_both",
             "kv_load_failure_policy": tier["kv_load_failure_policy"],
-            "kv_connector_extra_config": {"connectors": [tier, *children]}}
+            "kv_connector_extra_config": {"connectors": [*disaggregation, tier, *rest]}}
 
 
 __all__ = ["MULTI_CONNECTOR", "UNSERVED", "child_configs", "compose", "connector_refusals",

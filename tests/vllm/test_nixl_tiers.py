@@ -3,12 +3,13 @@ composed through vLLM's ``MultiConnector`` (``engine_kwargs(NIXL, host_cache_gb=
 real vLLM CPU engines, the prefill instance in its own process.
 
 vLLM's ``MultiConnector`` gives a request to the first connector with a hit past the
-local one, and kvbackend's tier connector comes first: a decoder whose host tier holds
-part of a prompt loads that part and computes the rest, and NIXL only tells the prefill
-instance to free its blocks. A pull that fails is recomputed (the tier connector's
-``kv_load_failure_policy``) and publishes nothing. The prefill instance holds a
-prefilled request's blocks until both connectors are done with them. Greedy outputs
-always equal vLLM's without any cache.
+local one, and ``compose`` puts NIXL before kvbackend's tier connector: a request a
+prefill instance computed receives all of it that the device lacks, even where the host
+tier holds a part (the decode instance would prefill the rest), and the host tier serves
+the other requests. A pull that fails is recomputed (the tier connector's
+``kv_load_failure_policy``). The prefill instance holds a prefilled request's blocks
+until both connectors are done with them. Greedy outputs always equal vLLM's without any
+cache.
 """
 
 from __future__ import annotations
@@ -21,19 +22,21 @@ from kvbackend.core import cdiv
 from kvbackend.testing.prefill_peer import PrefillPeer, free_port, nixl_engine
 from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
-    BLOCK_SIZE, engine_args, generate, greedy_outputs, make_engine, random_tokens, shutdown,
+    BLOCK_SIZE, cached_by_source, engine_args, generate, greedy_outputs, make_engine,
+    random_tokens, shutdown,
 )
 from tests.vllm.nixl_harness import GREEDY, NIXL, decode_after, moved_bytes
 from tests.vllm.tier_harness import host_gb
 
 PREFILL_BLOCKS = 64  # the prefill engine's device pool, in blocks
+BLOCK_BYTES = 32 * 1024  # a block of the tiny Llama, all layers
 TIERS_AND_NIXL = engine_kwargs(NIXL, host_cache_gb=host_gb(32))
 
 
 @pytest.fixture(scope="module")
 def prefill(tiny_model):
     peer = PrefillPeer(engine_args(tiny_model, "kvbackend", max_model_len=512,
-                                   kv_cache_memory_bytes=PREFILL_BLOCKS * 32 * 1024,
+                                   kv_cache_memory_bytes=PREFILL_BLOCKS * BLOCK_BYTES,
                                    disable_log_stats=False, **TIERS_AND_NIXL))
     yield peer
     peer.close()
@@ -47,7 +50,7 @@ def decode(tiny_model):
     shutdown(llm)
 
 
-def test_a_host_tier_hit_serves_the_decoder_and_nixl_frees_the_prefill(
+def test_nixl_serves_a_prefilled_request_and_the_host_tier_the_others(
         prefill, decode, reference_llm):
     rng = random.Random(21)
     prompt = random_tokens(rng, 3 * BLOCK_SIZE + 7)
@@ -58,8 +61,16 @@ def test_a_host_tier_hit_serves_the_decoder_and_nixl_frees_the_prefill(
     assert decode.reset_prefix_cache()  # the device forgets; the host tier keeps the pull
     before = moved_bytes(prefill, decode)
     tokens, hits = decode_after(prefill.ask(longer, True), decode, longer)
-    assert (tokens, hits) == (reference[tuple(longer)], {"host": 3 * BLOCK_SIZE})
-    assert moved_bytes(prefill, decode) == before
+    # Not 3 blocks from host and 47 tokens prefilled here (the tier connector first).
+    assert (tokens, hits) == (reference[tuple(longer)], {"p2p": len(longer)})
+    assert moved_bytes(prefill, decode) - before == cdiv(len(longer), BLOCK_SIZE) * BLOCK_BYTES
+    assert decode.reset_prefix_cache()
+    before = cached_by_source(decode)
+    (out,) = generate(decode, [longer], GREEDY)  # no prefill instance: the host tier serves
+    loaded = {s: n - before.get(s, 0) for s, n in cached_by_source(decode).items()
+              if n != before.get(s, 0)}
+    assert (list(out.outputs[0].token_ids), loaded) == (
+        reference[tuple(longer)], {"host": (len(longer) - 1) // BLOCK_SIZE * BLOCK_SIZE})
 
 
 def test_the_prefill_holds_its_blocks_through_pressure_on_device_and_host(
@@ -73,7 +84,7 @@ def test_the_prefill_holds_its_blocks_through_pressure_on_device_and_host(
     before = moved_bytes(prefill, decode)
     tokens, hits = decode_after(prefilled, decode, prompt)
     assert (tokens, hits) == (reference[tuple(prompt)], {"p2p": len(prompt)})
-    assert moved_bytes(prefill, decode) - before == cdiv(len(prompt), BLOCK_SIZE) * 32 * 1024
+    assert moved_bytes(prefill, decode) - before == cdiv(len(prompt), BLOCK_SIZE) * BLOCK_BYTES
 
 
 def test_a_failed_pull_is_recomputed_on_the_decoder(prefill, decode, reference_llm):

@@ -131,7 +131,8 @@ def test_connectors_that_read_vllms_pool_or_are_unchecked_are_refused(config, tm
         "internals (bind_gpu_block_pool), which kvbackend leaves unused"]
 
 
-def test_compose_puts_the_tier_connector_first_and_flattens_a_multi_connector(tmp_path):
+def test_compose_puts_pd_then_the_tier_connector_first_and_flattens_a_multi_connector(
+        tmp_path):
     tiers = engine_kwargs(host_cache_gb=1)["kv_transfer_config"]
     example = example_connector(str(tmp_path))
     composed = engine_kwargs(KVTransferConfig(**example), host_cache_gb=1)["kv_transfer_config"]
@@ -141,6 +142,10 @@ def test_compose_puts_the_tier_connector_first_and_flattens_a_multi_connector(tm
     multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"connectors": [example]}}
     assert compose(tiers, multi) == composed
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    multi["kv_connector_extra_config"]["connectors"] = [example, nixl]  # P/D before the tiers
+    assert compose(tiers, multi)["kv_connector_extra_config"]["connectors"] == [
+        nixl, tiers, example]
     assert engine_kwargs(example)["kv_transfer_config"] == example  # no tier: alone
     assert KVTransferConfig(**composed).kv_load_failure_policy == "recompute"
 
