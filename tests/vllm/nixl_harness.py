@@ -4,14 +4,22 @@ P/D tests."""
 
 from __future__ import annotations
 
+import pytest
 from vllm import SamplingParams
 
 from kvbackend.testing.prefill_peer import NIXL_BYTES, PrefillPeer, decode_prefilled
 from tests.vllm.conftest import cached_by_source
 
-NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
+NIXL_MODES = ("NixlConnector", "NixlPushConnector")
 PROBE = [7, 8, 9]  # a one-token request that brings the prefill engine's counts up to date
+
+
+@pytest.fixture(scope="module", params=NIXL_MODES)
+def nixl(request) -> dict:
+    """NIXL's connector config, in pull mode (the decode instance reads) or push mode (the
+    prefill instance writes; the two requests share an id, as a P/D proxy gives them)."""
+    return {"kv_connector": request.param, "kv_role": "kv_both"}
 
 
 def moved_bytes(prefill: PrefillPeer, decode) -> float:

@@ -26,19 +26,13 @@ from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
     BLOCK_SIZE, engine_args, greedy_outputs, make_engine, random_tokens, shutdown,
 )
-from tests.vllm.nixl_harness import GREEDY, NIXL, decode_after, moved_bytes
+from tests.vllm.nixl_harness import GREEDY, decode_after, moved_bytes, nixl  # noqa: F401
 
 PREFILL_BLOCKS = 64  # the prefill engine's pool, in blocks (a block: 32 KiB)
 _rng = random.Random(11)
 BASE = random_tokens(_rng, 3 * BLOCK_SIZE)  # three whole blocks two prompts share
 FIRST = BASE + random_tokens(_rng, 11)
 SECOND = BASE + random_tokens(_rng, 40)
-
-
-@pytest.fixture(scope="module", params=["NixlConnector", "NixlPushConnector"])
-def nixl(request) -> dict:
-    """Pull mode (the decode instance reads) or push mode (the prefill instance writes)."""
-    return {**NIXL, "kv_connector": request.param}
 
 
 @pytest.fixture(scope="module")

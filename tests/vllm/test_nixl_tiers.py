@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation over NIXL with kvbackend's host tier on both instances,
-composed through vLLM's ``MultiConnector`` (``engine_kwargs(NIXL, host_cache_gb=...)``):
-real vLLM CPU engines, the prefill instance in its own process.
+composed through vLLM's ``MultiConnector`` (``engine_kwargs(NIXL, host_cache_gb=...)``),
+NIXL in pull and in push mode: real vLLM CPU engines, the prefill instance in its own
+process.
 
 vLLM's ``MultiConnector`` gives a request to the first connector with a hit past the
 local one, and ``compose`` puts NIXL before kvbackend's tier connector: a request a
@@ -25,27 +26,29 @@ from tests.vllm.conftest import (
     BLOCK_SIZE, cached_by_source, engine_args, generate, greedy_outputs, make_engine,
     random_tokens, shutdown,
 )
-from tests.vllm.nixl_harness import GREEDY, NIXL, decode_after, moved_bytes
+from tests.vllm.nixl_harness import GREEDY, decode_after, moved_bytes, nixl  # noqa: F401
 from tests.vllm.tier_harness import host_gb
 
 PREFILL_BLOCKS = 64  # the prefill engine's device pool, in blocks
 BLOCK_BYTES = 32 * 1024  # a block of the tiny Llama, all layers
-TIERS_AND_NIXL = engine_kwargs(NIXL, host_cache_gb=host_gb(32))
+HOST_GB = host_gb(32)
 
 
 @pytest.fixture(scope="module")
-def prefill(tiny_model):
+def prefill(tiny_model, nixl):
     peer = PrefillPeer(engine_args(tiny_model, "kvbackend", max_model_len=512,
                                    kv_cache_memory_bytes=PREFILL_BLOCKS * BLOCK_BYTES,
-                                   disable_log_stats=False, **TIERS_AND_NIXL))
+                                   disable_log_stats=False,
+                                   **engine_kwargs(nixl, host_cache_gb=HOST_GB)))
     yield peer
     peer.close()
 
 
 @pytest.fixture(scope="module")
-def decode(tiny_model):
+def decode(tiny_model, nixl):
     with nixl_engine():
-        llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False, **TIERS_AND_NIXL)
+        llm = make_engine(tiny_model, "kvbackend", disable_log_stats=False,
+                          **engine_kwargs(nixl, host_cache_gb=HOST_GB))
     yield llm
     shutdown(llm)
 
