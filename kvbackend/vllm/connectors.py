@@ -36,9 +36,9 @@ one; all save. The tier connector comes first, so a request loads from host/disk
 when they hold more than the local hit, else from the others; P/D connectors (NIXL) come
 before it, as vLLM orders its own P/D setups: they hit only for a request a prefill
 instance computed, whose whole prompt that instance holds, and a partial tier hit would
-leave the decode instance to prefill the rest. Under
-async scheduling a connector that loads may do so outside the step order: the manager
-keeps its loads off the blocks a step in flight uses (``step_fence.py``).
+leave the decode instance to prefill the rest. Under async scheduling a connector that
+loads may do so outside the step order: the manager keeps its loads off the blocks a
+step in flight uses (``step_fence.py``).
 """
 
 from __future__ import annotations
