@@ -10,8 +10,9 @@ process; one token, its KV held for the decode instance), then decoded on the de
 instance (this process), which pulls the KV its own device cache lacks (``--push``: NIXL's
 push mode, where the prefill instance writes it). Per mode: prompt tokens the prefill
 instance computed (not hit in its cache), its prefill time, the bytes the decode instance
-received, the prompt tokens it hit on its device, and its time (transfer and decode). Greedy replies must be the same in both modes. Model as in bench_tiers.py
-(random Llama, hidden 512, 8 layers, float32, block 128). Prints a markdown table.
+received, the prompt tokens it hit on its device, and its time (transfer and decode).
+Greedy replies must be the same in both modes. Model as in bench_tiers.py (random Llama,
+hidden 512, 8 layers, float32, block 128). Prints a markdown table.
 """
 
 from __future__ import annotations
