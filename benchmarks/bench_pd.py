@@ -43,21 +43,19 @@ def run(model: str, mode: str, conversations: list[list[list[int]]], nixl: dict)
     running the NIXL connector ``nixl``."""
     import vllm
 
-    from kvbackend.testing.prefill_peer import PrefillPeer, decode_prefilled, nixl_engine
+    from kvbackend.testing.prefill_peer import (
+        PrefillPeer, decode_prefilled, moved_bytes, nixl_engine,
+    )
 
     args = engine_args(model, mode, KV_TOKENS, kv_transfer_config=nixl)
     prefill = PrefillPeer({**args, "disable_log_stats": False})
     with nixl_engine():
         decode = vllm.LLM(**args, disable_log_stats=False)
 
-    def moved_bytes() -> float:  # pulled: the decoder counts them; pushed: the prefiller
-        pushed = prefill.ask([1, 2, 3], remote_decode=False, max_tokens=1)["nixl_bytes"]
-        return pushed + metric_sum(decode, "vllm:nixl_bytes_transferred")
-
     warm_up = [1] * (2 * 128 + 5)  # NIXL's handshakes and the hit paths, untimed
     decode_prefilled(decode, prefill.ask(warm_up, True), warm_up,
                      vllm.SamplingParams(max_tokens=1))
-    baseline = {"moved": moved_bytes(),
+    baseline = {"moved": moved_bytes(prefill, decode),
                 "hits": metric_sum(decode, "vllm:prompt_tokens_cached_by_source",
                                    source="device")}
     totals = dict(prefill_tokens=0, prefill_s=0.0, decode_s=0.0)
@@ -74,7 +72,7 @@ def run(model: str, mode: str, conversations: list[list[list[int]]], nixl: dict)
             totals["decode_s"] += time.perf_counter() - start
             replies.append(list(out.outputs[0].token_ids))
             prompts[c] = prompts[c] + replies[-1]
-    totals["moved_mib"] = (moved_bytes() - baseline["moved"]) / 2**20
+    totals["moved_mib"] = (moved_bytes(prefill, decode) - baseline["moved"]) / 2**20
     totals["decode_hits"] = metric_sum(decode, "vllm:prompt_tokens_cached_by_source",
                                        source="device") - baseline["hits"]
     totals["replies"] = replies

@@ -28,6 +28,7 @@ from kvbackend.testing.ports import free_port
 
 REPLY = "prefill_peer: "
 NIXL_BYTES = "vllm:nixl_bytes_transferred"  # vLLM's histogram of bytes per NIXL transfer
+PROBE = [7, 8, 9]  # the prompt of ``moved_bytes``'s one-token request
 
 
 def nixl_engine_env() -> dict[str, str]:
@@ -83,6 +84,15 @@ def decode_prefilled(llm, prefilled: dict, prompt: list[int], params):
             if out.finished:
                 return out
     raise RuntimeError(f"request {request_id} did not finish")
+
+
+def moved_bytes(peer: PrefillPeer, decode) -> float:
+    """The bytes NIXL moved so far between the prefill process ``peer`` and the decode
+    engine ``decode`` (both with stats on): pulled, which the decode engine counts, or
+    pushed, which the prefill engine does (a one-token request brings its count up to
+    date)."""
+    pushed = peer.ask(PROBE, False, max_tokens=1)["nixl_bytes"]
+    return pushed + sum(m.sum for m in decode.get_metrics() if m.name == NIXL_BYTES)
 
 
 class PrefillPeer:

@@ -90,6 +90,13 @@ def cached_by_source(llm) -> dict[str, float]:
             if m.name == "vllm:prompt_tokens_cached_by_source"}
 
 
+def cached_since(llm, before: dict[str, float]) -> dict[str, float]:
+    """The sources whose ``cached_by_source`` count grew since ``before`` (an earlier
+    reading), with the tokens each gained."""
+    return {s: n - before.get(s, 0) for s, n in cached_by_source(llm).items()
+            if n != before.get(s, 0)}
+
+
 def assert_one_request_failed_a_damaged_load(capfd) -> None:
     """The engine's logs since the last ``capfd.readouterr()``: a damaged tier file was
     dropped, and exactly one request was recomputed whole for it (several KV-cache

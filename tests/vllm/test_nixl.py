@@ -21,12 +21,12 @@ import pytest
 from vllm import SamplingParams
 
 from kvbackend.core import cdiv
-from kvbackend.testing.prefill_peer import PrefillPeer, free_port, nixl_engine
+from kvbackend.testing.prefill_peer import PrefillPeer, free_port, moved_bytes, nixl_engine
 from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
     BLOCK_SIZE, engine_args, greedy_outputs, make_engine, random_tokens, shutdown,
 )
-from tests.vllm.nixl_harness import GREEDY, decode_after, moved_bytes, nixl  # noqa: F401
+from tests.vllm.nixl_harness import GREEDY, decode_after, nixl  # noqa: F401
 
 PREFILL_BLOCKS = 64  # the prefill engine's pool, in blocks (a block: 32 KiB)
 _rng = random.Random(11)

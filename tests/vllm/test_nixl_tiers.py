@@ -20,13 +20,13 @@ import random
 import pytest
 
 from kvbackend.core import cdiv
-from kvbackend.testing.prefill_peer import PrefillPeer, free_port, nixl_engine
+from kvbackend.testing.prefill_peer import PrefillPeer, free_port, moved_bytes, nixl_engine
 from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import (
-    BLOCK_SIZE, cached_by_source, engine_args, generate, greedy_outputs, make_engine,
-    random_tokens, shutdown,
+    BLOCK_SIZE, cached_by_source, cached_since, engine_args, generate, greedy_outputs,
+    make_engine, random_tokens, shutdown,
 )
-from tests.vllm.nixl_harness import GREEDY, decode_after, moved_bytes, nixl  # noqa: F401
+from tests.vllm.nixl_harness import GREEDY, decode_after, nixl  # noqa: F401
 from tests.vllm.tier_harness import host_gb
 
 PREFILL_BLOCKS = 64  # the prefill engine's device pool, in blocks
@@ -70,8 +70,7 @@ def test_nixl_serves_a_prefilled_request_and_the_host_tier_the_others(
     assert decode.reset_prefix_cache()
     before = cached_by_source(decode)
     (out,) = generate(decode, [longer], GREEDY)  # no prefill instance: the host tier serves
-    loaded = {s: n - before.get(s, 0) for s, n in cached_by_source(decode).items()
-              if n != before.get(s, 0)}
+    loaded = cached_since(decode, before)
     assert (list(out.outputs[0].token_ids), loaded) == (
         reference[tuple(longer)], {"host": (len(longer) - 1) // BLOCK_SIZE * BLOCK_SIZE})
 

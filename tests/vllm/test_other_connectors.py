@@ -32,7 +32,8 @@ from kvbackend.vllm import engine_kwargs
 from kvbackend.vllm.connectors import compose, connector_refusals
 from kvbackend.vllm.scheduler import KVBackendScheduler, unsupported_features
 from tests.vllm.conftest import (
-    BLOCK_SIZE, block_hasher, cached_by_source, greedy_outputs, make_engine, shutdown,
+    BLOCK_SIZE, block_hasher, cached_by_source, cached_since, greedy_outputs, make_engine,
+    shutdown,
 )
 from tests.vllm.store_connector import SchedulerSideConnector
 from tests.vllm.tier_harness import host_gb
@@ -71,8 +72,7 @@ def run(llm, prompt, reference) -> tuple[int, dict[str, float]]:
     before = cached_by_source(llm)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == reference[tuple(prompt)]
-    after = cached_by_source(llm)
-    loaded = {s: n - before.get(s, 0) for s, n in after.items() if n != before.get(s, 0)}
+    loaded = cached_since(llm, before)
     loaded.pop("device", None)  # hits on the device, not loads
     return out.num_cached_tokens, loaded
 
