@@ -3,12 +3,35 @@ side channel)."""
 
 from __future__ import annotations
 
+import random
 import socket
+
+LOWEST = 10000  # below: well-known and commonly configured service ports
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now on 127.0.0.1 (another process may take it
-    before the caller binds it; the servers started here bind it at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing is bound to now, drawn at random below the kernel's ephemeral
+    range. A server binds it later (vLLM's NIXL side channel, after loading the model):
+    a port from the ephemeral range could by then be some process's outgoing connection
+    (a CI run's NIXL listener died on "Address already in use" and its request hung),
+    and the kernel never hands out ports below it. O(1) tries, typically one."""
+    high = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(LOWEST, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in [{LOWEST}, {high})")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
