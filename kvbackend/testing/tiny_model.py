@@ -1,5 +1,5 @@
-"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next; MiMo with an MTP layer; EAGLE
-and EAGLE-3 drafters) for tests and benchmarks.
+"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next; MiMo with an MTP layer; EAGLE,
+EAGLE-3 and DFlash drafters) for tests and benchmarks.
 
 Nothing is downloaded: the model is randomly initialised and the tokenizer is a
 word-level vocabulary (``<unk> <s> </s> w0 w1 ...``) built in memory, so that
@@ -214,6 +214,46 @@ def build_tiny_eagle3(path: str, *, seed: int = 1) -> str:
         return weights
 
     return _build(path, params, make_config, export=eagle3_weights)
+
+
+def build_tiny_dflash(path: str, *, causal: bool = False, sliding_window: int | None = None,
+                      seed: int = 1) -> str:
+    """Create (or reuse) a random DFlash drafter in ``path`` for ``build_tiny_llama``'s
+    default model: vLLM's ``DFlashDraftModel`` format (``DFlashQwen3ForCausalLM``), one
+    Qwen3 decoder layer that drafts a block of mask tokens at once (bidirectionally
+    within the block unless ``causal``), its context K/V projected from the target's
+    hidden states after its layers 0 and 1 (``fc``, ``hidden_norm``), its own norm and LM
+    head, the target's embedding shared; ``<unk>`` is the mask token. With
+    ``sliding_window`` the layer attends to that many tokens (vLLM gives it a KV-cache
+    group of its own). Reuse and determinism as in ``build_tiny_llama``.
+    """
+    hidden, heads, kv_heads, head_dim, inter, vocab = 128, 4, 2, 32, 128, 512
+    params = dict(arch="dflash", causal=causal, sliding_window=sliding_window, seed=seed,
+                  dtype="float32", vocab_size=vocab, max_position_embeddings=8192)
+    window = {"use_swa": True, "swa_window_size": sliding_window} if sliding_window else {}
+
+    def make_config():
+        from transformers import Qwen3Config
+        return Qwen3Config(
+            hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
+            vocab_size=vocab, max_position_embeddings=params["max_position_embeddings"],
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            architectures=["DFlashDraftModel"],
+            dflash_config={"mask_token_id": 0, "target_layer_ids": [0, 1], "causal": causal,
+                           **window})
+
+    def dflash_weights(model) -> dict:
+        import torch
+        weights = {name.removeprefix("model."): tensor.contiguous()
+                   for name, tensor in model.state_dict().items()
+                   if name.startswith("model.layers.") or name == "lm_head.weight"}
+        weights["fc.weight"] = torch.randn(hidden, 2 * hidden) / math.sqrt(2 * hidden)
+        weights["hidden_norm.weight"] = torch.ones(hidden)
+        weights["norm.weight"] = torch.ones(hidden)
+        return weights
+
+    return _build(path, params, make_config, export=dflash_weights)
 
 
 def build_tiny_mimo(path: str, *, seed: int = 0) -> str:

@@ -38,10 +38,12 @@ STATE_LAYERS_REFUSAL = (
     "this one runs them in mode \"none\" or has other state layers)")
 
 UNCHECKED_DRAFTERS_REFUSAL = (
-    "speculative decoding with DFlash, DSpark, multi-module MTP or extract_hidden_states "
-    "drafters (their KV is not checked: kvbackend's tests build no tiny drafter of these "
-    "kinds; n-gram, suffix, Medusa, MLP speculators, draft models, EAGLE, EAGLE-3 and "
-    "single-module MTP are served)")
+    "speculative decoding with DSpark, multi-module MTP or extract_hidden_states drafters "
+    "(their KV is not checked: DSpark, and MTP modules drafting in turn, run only in vLLM's "
+    "model runner V2, which needs Triton, absent from the CPU build kvbackend's engine "
+    "tests run on; kvbackend's tests build no extract_hidden_states model; n-gram, suffix, "
+    "Medusa, MLP speculators, draft models, EAGLE, EAGLE-3, DFlash and single-module MTP "
+    "are served)")
 
 
 def unsupported_features(config: VllmConfig,
@@ -58,11 +60,13 @@ def unsupported_features(config: VllmConfig,
     transfer = config.kv_transfer_config
     checks = {
         # An EAGLE / MTP drafter's KV at a position also reads the next token(s): the
-        # manager's hits keep clear of them (``num_prefill_lookahead``). The others write
-        # drafter KV kvbackend has not checked on any engine.
+        # manager's hits keep clear of them (``num_prefill_lookahead``). DFlash's context
+        # KV reads the target's hidden states only. The others write drafter KV kvbackend
+        # has not checked on any engine.
         UNCHECKED_DRAFTERS_REFUSAL:
             spec is not None and spec.uses_draft_kv_cache() and not spec.uses_draft_model()
-            and (spec.method not in ("eagle", "eagle3", "mtp") or spec.use_multi_module_mtp()),
+            and (spec.method not in ("eagle", "eagle3", "mtp", "dflash")
+                 or spec.use_multi_module_mtp()),
         "pipeline parallelism": parallel.pipeline_parallel_size > 1,
         "decode/prefill context parallelism": (
             parallel.decode_context_parallel_size > 1

@@ -1,7 +1,7 @@
-"""An EAGLE / MTP drafter's KV after a kvbackend hit, read from the worker's KV cache, in a
-fresh process: ``python -m tests.vllm.drafter_kv MODEL METHOD [DRAFTER]`` (METHOD
-``eagle`` or ``eagle3`` with a drafter, ``mtp`` with a model that has MTP layers) prints
-JSON.
+"""An EAGLE / MTP / DFlash drafter's KV after a kvbackend hit, read from the worker's KV
+cache, in a fresh process: ``python -m tests.vllm.drafter_kv MODEL METHOD [DRAFTER]``
+(METHOD ``eagle``, ``eagle3`` or ``dflash`` with a drafter, ``mtp`` with a model that has
+MTP layers) prints JSON.
 
 The drafter's KV at a position also reads the next token. Request A computes a
 two-block document X and its question; request B shares X and asks another question,
@@ -9,7 +9,8 @@ so the tree vouches for B's tokens through the end of X only. B must then recomp
 X's last token (a partial hit on X's second block: copied, its last slot written
 again), and B's copy of that block must hold, in the drafter's layer, what request D
 (B again under another cache salt: computed from scratch) computes there, not A's
-(whose last slot read A's next token). The target's layers of the two copies are
+(whose last slot read A's next token; a DFlash drafter's context KV reads the target's
+hidden states only, so there A's, B's and D's agree). The target's layers of the two copies are
 equal, and so are B's and D's greedy outputs. The engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach the worker's KV cache; see
 ``same_step_branches.py`` for why it needs a process of its own.
@@ -67,7 +68,7 @@ def main(model: str, method: str, drafter: str | None = None) -> None:
 
 def _is_target_layer(name: str, num_target: int) -> bool:
     """Whether attention layer ``name`` is the target's (``model.layers.<i>.`` below
-    ``num_target``), not the drafter's (EAGLE: ``model.layers.<num_target>.``; MTP:
+    ``num_target``), not the drafter's (EAGLE, DFlash: ``model.layers.<num_target>.``; MTP:
     ``model.mtp_layers.<i>.``)."""
     parts = name.split(".")
     return parts[:2] == ["model", "layers"] and int(parts[2]) < num_target

@@ -163,14 +163,17 @@ def test_ngram_speculative_decoding_is_served_without_the_option_validator(tiny_
     assert OPTIONS_VALIDATOR in plain.model_config.logits_processors
 
 
-def test_draft_models_and_eagle_are_served_with_async_scheduling_others_refused(tiny_model):
+def test_draft_models_eagle_and_dflash_are_served_with_async_scheduling_others_refused(
+        tiny_model):
     draft = {"model": tiny_model, "num_speculative_tokens": 2}
     for method in ("draft_model", "eagle"):  # run in test_spec_decode.py
         config = _spec_config(tiny_model, {"method": method, **draft})
         assert unsupported_features(config) == []
         config.scheduler_config.async_scheduling = True  # what vLLM picks on a GPU
         assert unsupported_features(config) == []  # test_async_scheduling.py: drafts
-    for method in ("dflash", "dspark", "extract_hidden_states"):  # no tiny drafter here
+    config.speculative_config.method = "dflash"  # run in test_spec_decode.py too
+    assert unsupported_features(config) == []
+    for method in ("dspark", "extract_hidden_states"):  # not run on the CPU build
         config.speculative_config.method = method
         assert unsupported_features(config) == [UNCHECKED_DRAFTERS_REFUSAL]
 

@@ -1,6 +1,7 @@
 """Speculative decoding with kvbackend on the real vLLM CPU engine: n-gram drafts, a draft
-model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected), and
-EAGLE and EAGLE-3 drafters (random too), whose KV after a hit ``drafter_kv.py`` checks.
+model (a tiny Llama of another seed: it rarely agrees, so most drafts are rejected),
+EAGLE and EAGLE-3 drafters and a DFlash drafter (random too), whose KV after a hit
+``drafter_kv.py`` checks.
 
 kvbackend (its tree checked after every step for draft tokens, in a fresh process:
 ``spec_decode_steps.py``) against vLLM without prefix caching or speculative decoding
@@ -20,7 +21,7 @@ import pytest
 from vllm import SamplingParams
 
 from kvbackend.testing.tiny_model import (
-    build_tiny_eagle, build_tiny_eagle3, build_tiny_llama, build_tiny_mimo,
+    build_tiny_dflash, build_tiny_eagle, build_tiny_eagle3, build_tiny_llama, build_tiny_mimo,
 )
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, shutdown
 from tests.vllm.spec_decode_steps import MAX_TOKENS, run_workload, speculative_config
@@ -28,16 +29,21 @@ from tests.vllm.spec_decode_steps import MAX_TOKENS, run_workload, speculative_c
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
 
-BUILDERS = {"draft_model": lambda path: build_tiny_llama(path, seed=1),
-            "eagle": build_tiny_eagle, "eagle3": build_tiny_eagle3}
+# name: (speculative method, builder of the tiny drafter)
+DRAFTERS = {"draft_model": ("draft_model", lambda path: build_tiny_llama(path, seed=1)),
+            "eagle": ("eagle", build_tiny_eagle), "eagle3": ("eagle3", build_tiny_eagle3),
+            "dflash": ("dflash", build_tiny_dflash),
+            # a KV-cache group of its own: the drafter's window, next to the target's
+            "dflash_window": ("dflash", lambda path: build_tiny_dflash(path, sliding_window=48))}
 
 
-@pytest.fixture(scope="module", params=["ngram", *BUILDERS])
+@pytest.fixture(scope="module", params=["ngram", *DRAFTERS])
 def drafter(request, tmp_path_factory) -> tuple[str, str] | None:
     """None for n-gram drafts, else the drafter's (method, path)."""
     if request.param == "ngram":
         return None
-    return request.param, BUILDERS[request.param](str(tmp_path_factory.mktemp("tiny-drafter")))
+    method, build = DRAFTERS[request.param]
+    return method, build(str(tmp_path_factory.mktemp("tiny-drafter")))
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +100,29 @@ def test_an_eagle_hit_keeps_the_drafter_kv_that_read_the_requests_own_next_token
     from scratch holds (and in the target's layers what A's holds). MTP: a tiny MiMo's
     own MTP layer drafts."""
     if method == "mtp":
-        args = [build_tiny_mimo(str(tmp_path / "mimo")), method]
+        got = _drafter_kv(build_tiny_mimo(str(tmp_path / "mimo")), method)
     else:
-        args = [tiny_model, method, BUILDERS[method](str(tmp_path / method))]
+        got = _drafter_kv(tiny_model, method, DRAFTERS[method][1](str(tmp_path / method)))
+    assert got["drafter_b_vs_fresh"] < 1e-5
+    assert got["drafter_b_vs_a"] > 1e-3, "B's drafter KV is A's: it read A's next token"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_dflash_hit_holds_the_drafter_kv_a_fresh_request_computes(tiny_model, tmp_path,
+                                                                   causal):
+    """``drafter_kv.py`` with a DFlash drafter, whose context K/V at a position is projected
+    from the target's hidden states there (a function of the prefix), and whose block of
+    draft queries (within it bidirectional, or causal) is written past the computed tokens.
+    B's copy of the shared block then holds, in the drafter's layer, what A's and what a
+    request computing B from scratch hold. The hit still stops one token short: vLLM gives
+    every drafter that reads the target's hidden states a prefill lookahead of one."""
+    got = _drafter_kv(tiny_model, "dflash",
+                      build_tiny_dflash(str(tmp_path / "dflash"), causal=causal))
+    assert got["drafter_b_vs_fresh"] < 1e-5 and got["drafter_b_vs_a"] < 1e-5
+
+
+def _drafter_kv(*args: str) -> dict:
+    """``drafter_kv.py``'s report for ``args``, with what holds for every drafter checked."""
     done = subprocess.run([sys.executable, "-m", "tests.vllm.drafter_kv", *args],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -105,5 +131,4 @@ def test_an_eagle_hit_keeps_the_drafter_kv_that_read_the_requests_own_next_token
     assert got["outputs"][1] == got["outputs"][2]
     assert got["num_drafter_layers"] == 1 and got["blocks"][1] != got["blocks"][0]
     assert got["target_b_vs_a"] < 1e-5
-    assert got["drafter_b_vs_fresh"] < 1e-5
-    assert got["drafter_b_vs_a"] > 1e-3, "B's drafter KV is A's: it read A's next token"
+    return got
