@@ -41,7 +41,8 @@ UNCHECKED_DRAFTERS_REFUSAL = (
     "speculative decoding with DSpark, multi-module MTP or extract_hidden_states drafters "
     "(their KV is not checked: DSpark, and MTP modules drafting in turn, run only in vLLM's "
     "model runner V2, which needs Triton, absent from the CPU build kvbackend's engine "
-    "tests run on; kvbackend's tests build no extract_hidden_states model; n-gram, suffix, "
+    "tests run on; the hidden states extract_hidden_states caches are read by vLLM's "
+    "ExampleHiddenStatesConnector, which copies them on CUDA streams; n-gram, suffix, "
     "Medusa, MLP speculators, draft models, EAGLE, EAGLE-3, DFlash and single-module MTP "
     "are served)")
 
