@@ -418,6 +418,8 @@ class PrefixCache:
         on ``path`` (the locked prefix of the sequence that needs the blocks), whether or
         not they are candidates: a locked node keeps its own copy until it is unlocked,
         so a sequence could wait for a block its own prefix holds."""
+        if n <= self.pool.num_free:  # the common case (a decode step: often none)
+            return self.pool.allocate(n)
         if n > self.num_allocatable_blocks:
             self.drop_redundant_copies()
         if n > self.num_allocatable_blocks and path is not None:
