@@ -46,6 +46,12 @@ UNCHECKED_DRAFTERS_REFUSAL = (
     "Medusa, MLP speculators, draft models, EAGLE, EAGLE-3, DFlash and single-module MTP "
     "are served)")
 
+MIXED_BLOCK_SIZES_REFUSAL = (
+    "KV-cache groups with different block sizes (vLLM gives them to models whose layers "
+    "differ in KV bytes per token, such as Gemma 4's sliding-window and full-attention "
+    "layers, or a draft model with other head sizes than its target; kvbackend's logical "
+    "block is one block of every group)")
+
 
 def unsupported_features(config: VllmConfig,
                          kv_cache_config: KVCacheConfig | None = None) -> list[str]:
@@ -93,7 +99,7 @@ def unsupported_features(config: VllmConfig,
         "too, but on the CPU build vLLM's own prefix caching with NIXL already decodes unlike "
         "greedy without cache once the decode instance hits locally)":
             states and not all(map(is_tier_connector, child_configs(transfer))),
-        "KV-cache groups with different block sizes (one logical block spans every group)":
+        MIXED_BLOCK_SIZES_REFUSAL:
             kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config),
     }
     return [name for name, present in checks.items() if present] + connector_refusals(transfer)

@@ -26,7 +26,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm import engine_kwargs
 from kvbackend.vllm.scheduler import (
-    STATE_LAYERS_REFUSAL, UNCHECKED_DRAFTERS_REFUSAL, KVBackendScheduler, unsupported_features,
+    MIXED_BLOCK_SIZES_REFUSAL, STATE_LAYERS_REFUSAL, UNCHECKED_DRAFTERS_REFUSAL,
+    KVBackendScheduler, unsupported_features,
 )
 from tests.vllm.conftest import BLOCK_SIZE
 from tests.vllm.test_other_connectors import example_connector
@@ -54,6 +55,25 @@ def prefix_lm_model(tiny_model, tmp_path_factory) -> str:
     assert config.prefix_lm
     torch.manual_seed(0)
     HrmTextForCausalLM(config).eval().save_pretrained(path)
+    _copy_tokenizer(tiny_model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma4_model(tiny_model, tmp_path_factory) -> str:
+    """A tiny random Gemma 4: its full-attention layers have twice the head size of its
+    sliding-window ones, so vLLM gives the sliding-window group twice the block size."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    path = str(tmp_path_factory.mktemp("tiny-gemma4"))
+    config = Gemma4TextConfig(vocab_size=512, hidden_size=128, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, global_head_dim=64, sliding_window=64,
+                              layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                              pad_token_id=0, architectures=["Gemma4ForCausalLM"])
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(config).eval().save_pretrained(path)
     _copy_tokenizer(tiny_model, path)
     return path
 
@@ -98,6 +118,11 @@ def _start_refusal(model: str, dtype: str, tmp_path) -> str:
 
 def test_prefix_lm_model_is_refused_at_start(prefix_lm_model, tmp_path):
     assert "non-causal" in _start_refusal(prefix_lm_model, "float32", tmp_path)
+
+
+def test_gemma4_is_refused_at_start_for_its_groups_block_sizes(gemma4_model, tmp_path):
+    refusal = _start_refusal(gemma4_model, "float32", tmp_path)
+    assert refusal.endswith(f"{REFUSED}: {MIXED_BLOCK_SIZES_REFUSAL}")  # the only one
 
 
 def _kv_cache_config(num_layers: int = 2) -> KVCacheConfig:
@@ -199,15 +224,15 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
                           dtypes=(torch.float32,))
         assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), mamba)) == [
             STATE_LAYERS_REFUSAL]
-    for mamba_block_size, refused in ((BLOCK_SIZE, []), (2 * BLOCK_SIZE, [
-            "KV-cache groups with different block sizes (one logical block spans every group)"])):
+    for mamba_block_size, refused in ((BLOCK_SIZE, []),
+                                      (2 * BLOCK_SIZE, [MIXED_BLOCK_SIZES_REFUSAL])):
         mamba = MambaSpec(block_size=mamba_block_size, shapes=((4, 32),),
                           dtypes=(torch.float32,), mamba_cache_mode="align")
         assert unsupported_features(
             config, _groups_config(_spec(FullAttentionSpec), mamba)) == refused
     wide_window = _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64)
     assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), wide_window)) == [
-        "KV-cache groups with different block sizes (one logical block spans every group)"]
+        MIXED_BLOCK_SIZES_REFUSAL]
 
 
 @pytest.mark.parametrize("num_blocks, batched, connector, refusal", [
