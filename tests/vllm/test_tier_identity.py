@@ -19,7 +19,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from kvbackend.testing.tiny_model import build_tiny_llama
+from kvbackend.testing.tiny_model import build_tiny_dflash, build_tiny_llama
 from kvbackend.vllm.tier_identity import block_nbytes, tier_identity
 from tests.vllm.conftest import BLOCK_SIZE
 
@@ -128,10 +128,10 @@ def test_the_kv_cache_groups_are_part_of_the_identity(tiny_model, base_digest):
 
 
 def test_a_drafter_that_writes_kv_is_part_of_the_identity(tiny_model, tmp_path, base_digest):
-    """A draft model's layers (and EAGLE / MTP heads) write KV into the same blocks as the
-    target's: blocks written with one drafter are never read with another, although
-    both have the same architecture (same layout). A drafter without KV (n-gram) keeps
-    the digest, and a copy of the drafter elsewhere reads the same blocks."""
+    """A draft model's layers (and EAGLE / MTP / DFlash heads) write KV into the same
+    blocks as the target's: blocks written with one drafter are never read with another,
+    although both have the same architecture (same layout). A drafter without KV (n-gram)
+    keeps the digest, and a copy of the drafter elsewhere reads the same blocks."""
     drafts = [build_tiny_llama(str(tmp_path / f"draft-{seed}"), seed=seed) for seed in (1, 2)]
 
     def with_drafter(spec: dict) -> str:
@@ -151,3 +151,8 @@ def test_a_drafter_that_writes_kv_is_part_of_the_identity(tiny_model, tmp_path, 
     assert draft_model(str(copy)) == first
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     assert with_drafter(ngram) == base_digest
+    # the same DFlash weights, drafting bidirectionally or causally: other drafter KV
+    dflash = [with_drafter({"method": "dflash", "num_speculative_tokens": 3,
+                            "model": build_tiny_dflash(str(tmp_path / f"dflash-{c}"), causal=c)})
+              for c in (False, True)]
+    assert len({base_digest, *dflash}) == 3
