@@ -11,7 +11,10 @@ again), and B's copy of that block must hold, in the drafter's layer, what reque
 (B again under another cache salt: computed from scratch) computes there, not A's
 (whose last slot read A's next token; a DFlash drafter's context KV reads the target's
 hidden states only, so there A's, B's and D's agree). The target's layers of the two copies are
-equal, and so are B's and D's greedy outputs. The engine runs in this process
+equal, and so are B's and D's greedy outputs. Then the device cache is dropped and B
+runs again (E), loading the document's first block from the host tier: E's copy must
+hold, in every layer, what D's holds (a tier save taken before the drafter wrote its
+KV of the step would not). The engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) to reach the worker's KV cache; see
 ``same_step_branches.py`` for why it needs a process of its own.
 """
@@ -22,6 +25,7 @@ import os
 import random
 import sys
 
+from kvbackend.vllm import engine_kwargs
 from tests.vllm.conftest import BLOCK_SIZE, make_engine, random_tokens, shutdown
 
 
@@ -33,7 +37,8 @@ def main(model: str, method: str, drafter: str | None = None) -> None:
 
     spec = {"method": method, "num_speculative_tokens": 1 if method == "mtp" else 3,
             **({"model": drafter} if drafter else {})}
-    llm = make_engine(model, "kvbackend", speculative_config=spec)
+    llm = make_engine(model, "kvbackend", speculative_config=spec,
+                      **engine_kwargs(host_cache_gb=0.05))
     try:
         core = llm.llm_engine.engine_core.engine_core
         tables = _record_block_tables(core.scheduler.kv_cache_manager)
@@ -43,11 +48,14 @@ def main(model: str, method: str, drafter: str | None = None) -> None:
                    {"prompt_token_ids": b, "cache_salt": "fresh"}]
         params = SamplingParams(temperature=0, max_tokens=4)
         got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-        # each request's copy of the document's second block, per layer: (target?, KV)
+        assert llm.reset_prefix_cache()  # the device tree only: the host tier keeps its blocks
+        got += llm.generate([prompts[1]], params, use_tqdm=False)  # E: B from the host tier
+        # per layer (target?, KV): A's, B's and D's copies of the document's second block,
+        # then D's and E's of its first
         runner = core.model_executor.driver_worker.worker.model_runner
         num_target = core.vllm_config.model_config.get_num_layers(
             core.vllm_config.parallel_config)
-        blocks = [tables[i][1] for i in range(3)]
+        blocks = [tables[0][1], tables[1][1], tables[2][1], tables[2][0], tables[3][0]]
         layers = [(_is_target_layer(name, num_target), layer.kv_cache[blocks])
                   for name, layer in runner.compilation_config.static_forward_context.items()
                   if hasattr(layer, "kv_cache")]
@@ -63,7 +71,9 @@ def main(model: str, method: str, drafter: str | None = None) -> None:
                       "num_drafter_layers": sum(not t for t, _ in layers),
                       "target_b_vs_a": max_diff(True, 1, 0),
                       "drafter_b_vs_fresh": max_diff(False, 1, 2),
-                      "drafter_b_vs_a": max_diff(False, 1, 0)}))
+                      "drafter_b_vs_a": max_diff(False, 1, 0),
+                      "target_loaded_vs_fresh": max_diff(True, 4, 3),
+                      "drafter_loaded_vs_fresh": max_diff(False, 4, 3)}))
 
 
 def _is_target_layer(name: str, num_target: int) -> bool:
