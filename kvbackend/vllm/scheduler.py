@@ -19,7 +19,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheConfig,
-    MambaSpec, RSWASpec, SlidingWindowSpec,
+    KVCacheSpec, MambaSpec, RSWASpec, SinkFullAttentionSpec, SlidingWindowSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -45,6 +45,12 @@ UNCHECKED_DRAFTERS_REFUSAL = (
     "ExampleHiddenStatesConnector, which copies them on CUDA streams; n-gram, suffix, "
     "Medusa, MLP speculators, draft models, EAGLE, EAGLE-3, DFlash and single-module MTP "
     "are served)")
+
+UNCHECKED_LAYERS_REFUSAL = (
+    "KV-cache layers kvbackend has not checked, all run only on a GPU: groups vLLM keeps out "
+    "of prefix caching or recomputes after every hit (DeepSeek-V4's circular buffers and "
+    "bounded-replay sliding-window MLA, HiSparse pages) and static attention sinks "
+    "(OpenPangu: their KV sits in fixed blocks of the pool, outside any request)")
 
 MIXED_BLOCK_SIZES_REFUSAL = (
     "KV-cache groups with different block sizes (vLLM gives them to models whose layers "
@@ -88,10 +94,12 @@ def unsupported_features(config: VllmConfig,
         "non-causal (bidirectional or prefix-LM) attention":
             config.attention_config.use_non_causal
             or (kv_cache_config is not None and _has_non_causal_layers(kv_cache_config)),
+        UNCHECKED_LAYERS_REFUSAL: kv_cache_config is not None and any(
+            _is_unchecked(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups),
         # README "Mamba / linear-attention hybrids"; the manager's docstring.
         STATE_LAYERS_REFUSAL: kv_cache_config is not None and any(
             not _is_token_kv(g.kv_cache_spec) and not _is_checkpointed_state(g.kv_cache_spec)
-            for g in kv_cache_config.kv_cache_groups),
+            and not _is_unchecked(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups),
         "Mamba / linear-attention hybrids together with speculative decoding (vLLM's "
         "speculative state blocks)": states and spec is not None,
         "Mamba / linear-attention hybrids together with a KV connector other than "
@@ -113,6 +121,13 @@ def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:
     return any(getattr(group.kv_cache_spec, "non_causal", False)
                or isinstance(group.kv_cache_spec, (EncoderOnlyAttentionSpec, RSWASpec))
                for group in kv_cache_config.kv_cache_groups)
+
+
+def _is_unchecked(spec: KVCacheSpec) -> bool:
+    """A group vLLM's own prefix caching leaves out or replays after a hit, or static
+    attention sinks, whose KV vLLM writes once into blocks 1 .. n of the pool."""
+    return (not spec.prefix_cacheable or spec.prefix_replay_tokens > 0
+            or isinstance(spec, SinkFullAttentionSpec))
 
 
 def _is_token_kv(spec) -> bool:

@@ -20,14 +20,15 @@ import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
+    CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+    SinkFullAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec,
 )
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvbackend.vllm import engine_kwargs
 from kvbackend.vllm.scheduler import (
     MIXED_BLOCK_SIZES_REFUSAL, STATE_LAYERS_REFUSAL, UNCHECKED_DRAFTERS_REFUSAL,
-    KVBackendScheduler, unsupported_features,
+    UNCHECKED_LAYERS_REFUSAL, KVBackendScheduler, unsupported_features,
 )
 from tests.vllm.conftest import BLOCK_SIZE
 from tests.vllm.test_other_connectors import example_connector
@@ -233,6 +234,22 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
     wide_window = _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64)
     assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), wide_window)) == [
         MIXED_BLOCK_SIZES_REFUSAL]
+
+
+def test_groups_vllm_keeps_out_of_prefix_caching_and_static_sinks_are_refused(tiny_model):
+    """DeepSeek-V4's layers vLLM replays after a hit or never caches, and OpenPangu's
+    static sinks (GPU-only). Before: the replayed window and the sinks were served as
+    plain attention, the circular buffer refused as state layers."""
+    config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                        block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+    unchecked = [_spec(SlidingWindowMLASpec, sliding_window=64, bounded_replay=True),
+                 _spec(CircularBufferSpec), _spec(SinkFullAttentionSpec, sink_len=BLOCK_SIZE)]
+    for spec in unchecked:
+        assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), spec)) == [
+            UNCHECKED_LAYERS_REFUSAL], spec
+    plain_window = _spec(SlidingWindowMLASpec, sliding_window=64)  # no replay: a window
+    assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec),
+                                                       plain_window)) == []
 
 
 @pytest.mark.parametrize("num_blocks, batched, connector, refusal", [
