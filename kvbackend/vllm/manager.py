@@ -55,7 +55,7 @@ its tokens back) publishes nothing (``loading``). Nothing another request can
 match ever comes from a failed load.
 
 Speculative decoding (n-gram, suffix, Medusa, MLP speculators, draft models, EAGLE,
-EAGLE-3, single-module MTP):
+EAGLE-3, single-module MTP, DFlash):
 ``num_new_tokens`` counts the draft tokens and ``num_lookahead_tokens`` the
 drafter's extra slots; both get blocks (``computed + new + lookahead``, capped at
 ``max_model_len``, as vLLM does), but only ``request.all_token_ids`` is ever
@@ -72,10 +72,12 @@ then one the tree holds, written by the same writer (a block holds one sequence'
 tokens), and a partial hit recomputes the rest. vLLM drops a hit's last whole block
 instead; kvbackend's tiers do as vLLM (``TierPlanner``: no key vouches for a tier
 block's next token). Only the drafter's proposals depend on its KV: a stale one
-lowers acceptance, never changes outputs. One imprecision remains, as in vLLM: where
-two sequences share a whole block and continue differently, the tree keeps the first
-one's block, whose last slot's drafter KV read the first one's next token; a later hit
-through it into the second one's continuation reads that slot.
+lowers acceptance, never changes outputs. A DFlash drafter's context KV at a position
+reads the target's hidden states there only (its draft queries' KV lands past the
+computed tokens), yet vLLM gives it the same lookahead of one. One imprecision
+remains, as in vLLM: where two sequences share a whole block and continue differently,
+the tree keeps the first one's block, whose last slot's drafter KV read the first one's
+next token; a later hit through it into the second one's continuation reads that slot.
 
 Several KV-cache groups (interleaved sliding-window and full attention, e.g.
 Gemma 2/3): every group's blocks are cached along the same token boundaries. A
