@@ -1,5 +1,5 @@
-"""Build tiny random-weight models (Llama; Gemma-3; Qwen3-Next; MiMo with an MTP layer; EAGLE,
-EAGLE-3 and DFlash drafters) for tests and benchmarks.
+"""Build tiny random-weight models (Llama; Gemma-3; Gemma 4; Qwen3-Next; MiMo with an MTP
+layer; EAGLE, EAGLE-3 and DFlash drafters) for tests and benchmarks.
 
 Nothing is downloaded: the model is randomly initialised and the tokenizer is a
 word-level vocabulary (``<unk> <s> </s> w0 w1 ...``) built in memory, so that
@@ -94,6 +94,30 @@ def build_tiny_gemma3(
             bos_token_id=1, eos_token_id=2, pad_token_id=0)
         config.architectures = ["Gemma3ForCausalLM"]
         return config
+
+    return _build(path, params, make_config)
+
+
+def build_tiny_gemma4(path: str, *, sliding_window: int = 64, seed: int = 0) -> str:
+    """Create (or reuse) a random text-only Gemma 4 (``Gemma4ForCausalLM``) in ``path``:
+    a sliding-window layer (``sliding_window`` tokens, head size 32) then a
+    full-attention layer (head size 64), two KV heads each, hidden size 128, 512 words.
+    Its full-attention layer holds twice the KV bytes per token, so vLLM gives the
+    sliding-window group twice the block size. Reuse and determinism as in
+    ``build_tiny_llama``.
+    """
+    params = dict(arch="gemma4", sliding_window=sliding_window, seed=seed, dtype="float32",
+                  vocab_size=512, max_position_embeddings=8192)
+
+    def make_config():
+        from transformers import Gemma4TextConfig
+        return Gemma4TextConfig(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, global_head_dim=64, intermediate_size=128,
+            vocab_size=params["vocab_size"], sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=params["max_position_embeddings"],
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, architectures=["Gemma4ForCausalLM"])
 
     return _build(path, params, make_config)
 

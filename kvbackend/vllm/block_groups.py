@@ -6,13 +6,19 @@ table, and all groups draw physical block ids from one shared pool (layers of
 different groups share the KV tensors, so one physical block serves one group).
 
 kvbackend caches every group along the same token boundaries: one *logical*
-block, the unit of its tree and pool, is one physical block per group,
+block, the unit of its tree and pool, is the scheduler's block (the least common
+multiple of the groups' block sizes), and ``pages[g]`` consecutive physical blocks of
+group ``g`` (more than one where vLLM gave the group a smaller block size: its layers
+hold more bytes per token, as Gemma 4's full-attention layers or a draft model with
+other head sizes do),
 
-    physical(logical, group) = logical * num_groups + group
+    physical(logical, group, j) = logical * stride + first[group] + j,  j < pages[group]
 
+with ``stride = sum(pages)`` and ``first[group]`` the pages of the groups before it,
 so a token-exact hit, a copy-on-write copy or an eviction covers all groups at
-once, and with one group the mapping is the identity. Logical block 0 (the null
-block) covers physical blocks 0 .. num_groups - 1, vLLM's null block among them.
+once, and with one group of the scheduler's block size the mapping is the identity.
+Logical block 0 (the null block) covers physical blocks 0 .. stride - 1, vLLM's null
+block among them.
 
 A model with one full-attention group and either sliding-window groups or
 Mamba / linear-attention state groups, served without a KV connector other than
@@ -29,8 +35,10 @@ lists vLLM's null block (0) the block is not whole on the device: a load fills
 the other groups, and it is never saved. A hybrid's ordinary tier copy holds its
 attention pages only, so a null state page never keeps a block from a tier.
 
-Invariants: the physical ids of distinct (logical, group) pairs are distinct and
-below ``num_logical * num_groups <= num_physical``.
+Invariants: the physical ids of distinct (logical, group, j) are distinct and below
+``num_logical * stride <= num_physical``; group ``g``'s table lists ``pages[g]`` blocks
+per logical block, so token ``t`` of logical block ``b`` lies in its ``t // block_size``-th
+block there, as vLLM's workers address it (``check_invariants``).
 """
 
 from __future__ import annotations
@@ -46,39 +54,64 @@ from kvbackend.core.group_pages import GroupPages
 
 
 class BlockGroups:
-    """Maps logical block ids to vLLM's per-group physical blocks. O(1) per block."""
+    """Maps logical block ids to vLLM's per-group physical blocks. O(1) per block and
+    page."""
 
-    def __init__(self, num_physical_blocks: int, num_groups: int) -> None:
-        if num_groups < 1:
-            raise ValueError(f"a model needs at least one KV-cache group, got {num_groups}")
-        self.num_groups = num_groups
+    def __init__(self, num_physical_blocks: int, pages: Sequence[int]) -> None:
+        """``pages[g]``: group ``g``'s blocks in one logical block."""
+        if not pages or min(pages) < 1:
+            raise ValueError(f"every KV-cache group needs a block per logical block, got "
+                             f"{list(pages)}")
+        self.num_groups, self.pages = len(pages), tuple(pages)
+        self.stride = sum(pages)
+        self._first = [sum(pages[:g]) for g in range(self.num_groups)]
         self.num_paged_groups = 0  # every group keeps every block
-        self.num_logical = num_physical_blocks // num_groups
-        self._objects = [KVCacheBlock(i) for i in range(self.num_logical * num_groups)]
+        self.num_logical = num_physical_blocks // self.stride
+        self._objects = [KVCacheBlock(i) for i in range(self.num_logical * self.stride)]
 
     def physical(self, logical: int, group: int) -> int:
-        return logical * self.num_groups + group
+        """``logical``'s first block in ``group``."""
+        return logical * self.stride + self._first[group]
 
     def as_blocks(self, logical_ids: Iterable[int], first_in_window: int = 0) -> KVCacheBlocks:
-        """One block list per group, in the order of ``logical_ids`` (every group keeps
-        every block: ``first_in_window`` does not apply). O(groups * blocks)."""
+        """One block list per group, in the order of ``logical_ids``, ``pages[g]`` blocks
+        each in group ``g`` (every group keeps every block: ``first_in_window`` does not
+        apply). O(pages * blocks)."""
         logical_ids = list(logical_ids)
-        objects, g = self._objects, self.num_groups
-        return KVCacheBlocks(tuple([objects[b * g + group] for b in logical_ids]
-                                   for group in range(g)))
+        objects, stride = self._objects, self.stride
+        return KVCacheBlocks(tuple(
+            [objects[b * stride + first + j] for b in logical_ids for j in range(n)]
+            for first, n in zip(self._first, self.pages)))
 
     def copies(self, pairs: Iterable[tuple[int, int]]) -> list[KVCacheBlockCopy]:
-        """A logical (src, dst) copy is one physical copy per group."""
-        g = self.num_groups
-        return [KVCacheBlockCopy(src * g + group, dst * g + group)
-                for src, dst in pairs for group in range(g)]
+        """A logical (src, dst) copy is one physical copy per block of every group."""
+        stride = self.stride
+        return [KVCacheBlockCopy(src * stride + j, dst * stride + j)
+                for src, dst in pairs for j in range(stride)]
+
+    def check_invariants(self) -> None:
+        """Every physical block belongs to one (logical, group, j), group by group in
+        table order. O(physical blocks)."""
+        seen = set()
+        for logical in range(self.num_logical):
+            table = self.as_blocks([logical]).blocks
+            assert [len(ids) for ids in table] == list(self.pages)
+            for group, ids in enumerate(table):
+                assert ids[0].block_id == self.physical(logical, group)
+                assert [b.block_id for b in ids] == list(range(ids[0].block_id,
+                                                              ids[0].block_id + len(ids)))
+                seen.update(b.block_id for b in ids)
+        assert seen == set(range(self.num_logical * self.stride))
 
     def tier_blocks(self, per_group: Sequence[Sequence[int]], check: bool = False
                     ) -> tuple[Sequence[int], Sequence[tuple[int, ...]]]:
         """A request's tier blocks from vLLM's per-group table: their logical ids and,
         with several groups, their physical block per group (one group: the ids
         themselves, no tuples). ``check``: ``LogicalBlockIds.check``. O(1), or
-        O(groups * blocks) checked."""
+        O(groups * blocks) checked. One block per group and logical block only:
+        kvbackend's tiers are refused with groups of different block sizes."""
+        if self.stride != self.num_groups:
+            raise ValueError("kvbackend's tiers move one block per KV-cache group")
         if self.num_groups == 1:
             return per_group[0], ()
         logical = LogicalBlockIds(per_group)

@@ -111,8 +111,14 @@ below):
   pages only from the window of its end on: the load fills their pages, and the
   full-attention block of the others, which stay without pages (so a later hit
   ending among them is cut back, as above).
-- otherwise (several full-attention groups, or another KV connector, which reads
-  whole block tables): one logical block is one physical block per group,
+- otherwise (several full-attention groups, another KV connector, which reads
+  whole block tables, or groups of different block sizes): one logical block is
+  the scheduler's block (the least common multiple of the groups' block sizes),
+  and as many physical blocks per group as it spans there (Gemma 4: one
+  sliding-window block of 64 tokens and two full-attention blocks of 32; the
+  tiers, other connectors and KV events, which move or announce one block per
+  group, are refused with different sizes, and ``max_model_len`` must be a
+  multiple of the logical block, the width vLLM gives each group's table),
   every group keeping every block of a live or cached sequence, so token-exact
   hits and copy-on-write (one copy per group) carry over unchanged; a
   sliding-window request then holds as many blocks as a full-attention one, and
@@ -356,7 +362,17 @@ class KVBackendManager(KVCacheManager):
         self.states: StatePages | None = None
         self.checkpoints: StateCheckpoints | None = None
         paged = windowed if not self.state_groups else self.state_groups
-        if len(full) == 1 and paged and 1 + len(paged) == self.num_kv_cache_groups:
+        # each group's blocks in one logical block (the scheduler's): more than one where
+        # vLLM gave a group a smaller block size; such groups keep every block
+        pages = [self.block_size // group.kv_cache_spec.block_size
+                 for group in self.kv_cache_config.kv_cache_groups]
+        self._mixed_block_sizes = max(pages) > 1
+        if self._mixed_block_sizes and windowed:
+            logger.warning("kvbackend: KV-cache groups of different block sizes keep their "
+                           "sliding-window blocks for the whole context (vLLM frees those "
+                           "out of every window)")
+        if (len(full) == 1 and paged and 1 + len(paged) == self.num_kv_cache_groups
+                and not self._mixed_block_sizes):
             self.cache = self._prefix_cache(num_physical, backend_config)
             if windowed:
                 specs = [self.kv_cache_config.kv_cache_groups[g].kv_cache_spec for g in windowed]
@@ -377,8 +393,8 @@ class KVBackendManager(KVCacheManager):
                 self._max_paged_blocks = 3
             self.groups = PagedBlockGroups(num_physical, full[0], paged, pages)
         else:
-            self.groups = BlockGroups(num_physical, self.num_kv_cache_groups)
-            self.watermark_blocks //= self.groups.num_groups  # vLLM counts physical blocks
+            self.groups = BlockGroups(num_physical, pages)
+            self.watermark_blocks //= self.groups.stride  # vLLM counts physical blocks
             self.cache = self._prefix_cache(self.groups.num_logical, backend_config)
             self._max_paged_blocks = 0
             if self.state_groups:
@@ -958,6 +974,12 @@ class KVBackendManager(KVCacheManager):
                 f"{self.groups.num_groups} groups, the KV cache holds "
                 f"{usable}; lower max_model_len or give the KV "
                 "cache more memory")
+        if self._mixed_block_sizes and self.max_model_len % self.block_size:
+            # vLLM's workers size group g's table to cdiv(max_model_len, its block size)
+            raise ValueError(
+                f"with KV-cache groups of different block sizes kvbackend needs "
+                f"max_model_len to be a multiple of the scheduler's block size "
+                f"({self.block_size} tokens), got {self.max_model_len}")
 
     def _pages_for(self, num_blocks: int) -> int:
         """Pages in the other groups (sliding-window or state) of ``num_blocks`` blocks."""

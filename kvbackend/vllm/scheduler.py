@@ -53,10 +53,11 @@ UNCHECKED_LAYERS_REFUSAL = (
     "(OpenPangu: their KV sits in fixed blocks of the pool, outside any request)")
 
 MIXED_BLOCK_SIZES_REFUSAL = (
-    "KV-cache groups with different block sizes (vLLM gives them to models whose layers "
-    "differ in KV bytes per token, such as Gemma 4's sliding-window and full-attention "
-    "layers, or a draft model with other head sizes than its target; kvbackend's logical "
-    "block is one block of every group)")
+    "KV-cache groups with different block sizes (vLLM gives them to models whose layer "
+    "kinds differ in KV bytes per token, such as Gemma 4's sliding-window and "
+    "full-attention layers) together with kvbackend's tiers, another KV connector, KV "
+    "events or state layers (not done yet: those move or announce one block per group "
+    "and logical block)")
 
 
 def unsupported_features(config: VllmConfig,
@@ -108,9 +109,14 @@ def unsupported_features(config: VllmConfig,
         "greedy without cache once the decode instance hits locally)":
             states and not all(map(is_tier_connector, child_configs(transfer))),
         MIXED_BLOCK_SIZES_REFUSAL:
-            kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config),
+            kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config)
+            and (transfer is not None or states or _kv_events_on(config)),
     }
     return [name for name, present in checks.items() if present] + connector_refusals(transfer)
+
+
+def _kv_events_on(config: VllmConfig) -> bool:
+    return config.kv_events_config is not None and config.kv_events_config.enable_kv_cache_events
 
 
 def _has_non_causal_layers(kv_cache_config: KVCacheConfig) -> bool:

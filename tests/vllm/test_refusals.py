@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from vllm.config import KVEventsConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import (
     CircularBufferSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
@@ -56,25 +57,6 @@ def prefix_lm_model(tiny_model, tmp_path_factory) -> str:
     assert config.prefix_lm
     torch.manual_seed(0)
     HrmTextForCausalLM(config).eval().save_pretrained(path)
-    _copy_tokenizer(tiny_model, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def gemma4_model(tiny_model, tmp_path_factory) -> str:
-    """A tiny random Gemma 4: its full-attention layers have twice the head size of its
-    sliding-window ones, so vLLM gives the sliding-window group twice the block size."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    path = str(tmp_path_factory.mktemp("tiny-gemma4"))
-    config = Gemma4TextConfig(vocab_size=512, hidden_size=128, intermediate_size=128,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=32, global_head_dim=64, sliding_window=64,
-                              layer_types=["sliding_attention", "full_attention"],
-                              max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-                              pad_token_id=0, architectures=["Gemma4ForCausalLM"])
-    torch.manual_seed(0)
-    Gemma4ForCausalLM(config).eval().save_pretrained(path)
     _copy_tokenizer(tiny_model, path)
     return path
 
@@ -120,10 +102,6 @@ def _start_refusal(model: str, dtype: str, tmp_path) -> str:
 def test_prefix_lm_model_is_refused_at_start(prefix_lm_model, tmp_path):
     assert "non-causal" in _start_refusal(prefix_lm_model, "float32", tmp_path)
 
-
-def test_gemma4_is_refused_at_start_for_its_groups_block_sizes(gemma4_model, tmp_path):
-    refusal = _start_refusal(gemma4_model, "float32", tmp_path)
-    assert refusal.endswith(f"{REFUSED}: {MIXED_BLOCK_SIZES_REFUSAL}")  # the only one
 
 
 def _kv_cache_config(num_layers: int = 2) -> KVCacheConfig:
@@ -231,9 +209,36 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
                           dtypes=(torch.float32,), mamba_cache_mode="align")
         assert unsupported_features(
             config, _groups_config(_spec(FullAttentionSpec), mamba)) == refused
-    wide_window = _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64)
-    assert unsupported_features(config, _groups_config(_spec(FullAttentionSpec), wide_window)) == [
-        MIXED_BLOCK_SIZES_REFUSAL]
+    # Gemma 4's shape (test_mixed_block_sizes.py): served alone, refused with what moves or
+    # announces one block per group and logical block
+    wide = _groups_config(_spec(FullAttentionSpec),
+                          _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64))
+    assert unsupported_features(config, wide) == []
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
+    assert unsupported_features(config, wide) == [MIXED_BLOCK_SIZES_REFUSAL]
+    config.kv_events_config = None
+    with_tiers = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                            block_size=BLOCK_SIZE,
+                            **engine_kwargs(host_cache_gb=1)).create_engine_config()
+    assert unsupported_features(with_tiers, wide) == [MIXED_BLOCK_SIZES_REFUSAL]
+
+
+def test_mixed_block_sizes_need_a_max_model_len_of_whole_logical_blocks(tiny_model):
+    """vLLM sizes each group's block table to ``max_model_len`` over its block size: a
+    logical block of the largest size must not run past it."""
+    wide = _groups_config(_spec(FullAttentionSpec),
+                          _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64))
+    for max_model_len, refused in ((512, False), (480, True)):
+        config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=max_model_len,
+                            block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
+        config.cache_config.num_gpu_blocks = wide.num_blocks  # as EngineCore does
+        start = lambda: KVBackendScheduler(  # noqa: E731
+            config, wide, StructuredOutputManager(config), block_size=2 * BLOCK_SIZE)
+        if refused:
+            with pytest.raises(ValueError, match="multiple of the scheduler's block size"):
+                start()
+        else:
+            start()
 
 
 def test_groups_vllm_keeps_out_of_prefix_caching_and_static_sinks_are_refused(tiny_model):

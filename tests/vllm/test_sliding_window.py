@@ -77,6 +77,10 @@ def test_every_engine_runs_the_model_with_three_groups(kvb, ref, apc):
 
 
 def test_shared_prefixes_partial_blocks_and_branches_match_vllm(kvb, ref, apc):
+    check_shared_prefix_rounds(kvb, ref, apc)
+
+
+def check_shared_prefix_rounds(kvb, ref, apc) -> None:
     """Rounds of prompts whose hits end mid-block, branch inside a block and continue
     a conversation. kvbackend's hits are exactly the longest cached prefix (token-
     exact, every group), never below vLLM's prefix caching, and outputs match."""
