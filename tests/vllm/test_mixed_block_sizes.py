@@ -32,25 +32,17 @@ def gemma4(tmp_path_factory) -> str:
     return build_tiny_gemma4(str(tmp_path_factory.mktemp("tiny-gemma4")))
 
 
-def _engine(model: str, mode: str):
-    llm = make_engine(model, mode, **ENGINE)
-    yield llm
-    shutdown(llm)
-
-
 @pytest.fixture(scope="module")
-def kvb(gemma4):
-    yield from _engine(gemma4, "kvbackend")
-
-
-@pytest.fixture(scope="module")
-def ref(gemma4):
-    yield from _engine(gemma4, "no-cache")
-
-
-@pytest.fixture(scope="module")
-def apc(gemma4):
-    yield from _engine(gemma4, "vllm-apc")
+def engines(gemma4) -> dict:
+    """kvbackend, vLLM without prefix caching and vLLM's prefix caching, by mode."""
+    llms = {}
+    try:
+        for mode in ("kvbackend", "no-cache", "vllm-apc"):
+            llms[mode] = make_engine(gemma4, mode, **ENGINE)
+        yield llms
+    finally:
+        for llm in llms.values():
+            shutdown(llm)
 
 
 @settings(max_examples=60, deadline=None)
@@ -65,14 +57,15 @@ def test_block_groups_give_each_group_its_blocks_in_table_order(pages, num_physi
                       for s, d in pairs for j in range(sum(pages))]
 
 
-def test_shared_prefixes_partial_blocks_and_branches_match_vllm(kvb, ref, apc):
-    check_shared_prefix_rounds(kvb, ref, apc)
+def test_shared_prefixes_partial_blocks_and_branches_match_vllm(engines):
+    check_shared_prefix_rounds(engines["kvbackend"], engines["no-cache"], engines["vllm-apc"])
 
 
-def test_memory_pressure_keeps_outputs_exact(kvb, ref):
+def test_memory_pressure_keeps_outputs_exact(engines):
     """Twelve 500-token requests sharing 200 tokens need 96 logical blocks, the pool holds
     42 (every group's blocks for the whole context): cached blocks are evicted and their
     three physical blocks reused while other requests share the prefix, twice."""
+    kvb, ref = engines["kvbackend"], engines["no-cache"]
     assert kvb.reset_prefix_cache()
     rng = random.Random(5)
     shared = tokens(rng, 200)
