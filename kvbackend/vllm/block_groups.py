@@ -29,7 +29,7 @@ window reaches the block, ``WindowPages``; state pages while a request's state r
 through it, or while it holds a cached state checkpoint).
 
 The tier connector names a tier block by its logical id and moves its physical
-block in every group (``tier_blocks``, read from vLLM's per-group block table):
+blocks in every group (``tier_blocks``, read from vLLM's per-group block table):
 one tier block holds every group's KV of its tokens. Where a sliding-window group
 lists vLLM's null block (0) the block is not whole on the device: a load fills
 the other groups, and it is never saved. A hybrid's ordinary tier copy holds its
@@ -106,61 +106,63 @@ class BlockGroups:
     def tier_blocks(self, per_group: Sequence[Sequence[int]], check: bool = False
                     ) -> tuple[Sequence[int], Sequence[tuple[int, ...]]]:
         """A request's tier blocks from vLLM's per-group table: their logical ids and,
-        with several groups, their physical block per group (one group: the ids
+        unless the logical block is one physical block, their physical blocks (group by
+        group, ``pages[g]`` of group ``g``; one group of the logical size: the ids
         themselves, no tuples). ``check``: ``LogicalBlockIds.check``. O(1), or
-        O(groups * blocks) checked. One block per group and logical block only:
-        kvbackend's tiers are refused with groups of different block sizes."""
-        if self.stride != self.num_groups:
-            raise ValueError("kvbackend's tiers move one block per KV-cache group")
-        if self.num_groups == 1:
+        O(pages * blocks) checked."""
+        if self.stride == 1:
             return per_group[0], ()
-        logical = LogicalBlockIds(per_group)
+        logical = LogicalBlockIds(per_group, self.pages)
         if check:
             logical.check()
-        return logical, PhysicalBlocks(per_group)
+        return logical, PhysicalBlocks(per_group, self.pages)
 
 
 class LogicalBlockIds(Sequence[int]):
     """A request's block table as logical ids, read from vLLM's per-group table (group 0's
-    physical ids, divided by the number of groups) without copying it. O(1) per item;
-    ``check`` verifies that every group holds the same logical blocks. O(groups * blocks)."""
+    first physical block of each logical block, divided by the physical blocks of a
+    logical one) without copying it. O(1) per item; ``check`` verifies that every group
+    holds the same logical blocks. O(pages * blocks)."""
 
-    def __init__(self, per_group: Sequence[Sequence[int]]) -> None:
-        self.per_group, self.num_groups = per_group, len(per_group)
+    def __init__(self, per_group: Sequence[Sequence[int]], pages: Sequence[int]) -> None:
+        self.per_group, self.pages, self.stride = per_group, pages, sum(pages)
 
     def __len__(self) -> int:
-        return len(self.per_group[0])
+        return len(self.per_group[0]) // self.pages[0]
 
     def __getitem__(self, i):  # type: ignore[override]
-        g = self.num_groups
+        first, k = self.per_group[0], self.pages[0]
         if isinstance(i, slice):
-            return [b // g for b in self.per_group[0][i]]
-        return self.per_group[0][i] // g
+            return [first[j * k] // self.stride for j in range(len(self))[i]]
+        return first[i * k] // self.stride
 
     def check(self) -> None:
-        """Raise ValueError unless group g's i-th block is ``logical_i * num_groups + g``
-        (kvbackend's manager hands out no other table)."""
-        g, first = self.num_groups, self.per_group[0]
-        for group, ids in enumerate(self.per_group):
-            if len(ids) != len(first) or any(b != a - a % g + group
-                                             for a, b in zip(first, ids)):
-                raise ValueError(f"KV-cache group {group}'s blocks are not those of group 0 "
-                                 f"plus {group} (a block table kvbackend's manager did not "
+        """Raise ValueError unless group g's blocks are, for each logical block ``b``,
+        ``b * stride + first[g] + j`` (kvbackend's manager hands out no other table)."""
+        logical, offset = list(self), 0
+        for group, (ids, k) in enumerate(zip(self.per_group, self.pages)):
+            want = [b * self.stride + offset + j for b in logical for j in range(k)]
+            if list(ids) != want:
+                raise ValueError(f"KV-cache group {group}'s blocks are not those of group 0's "
+                                 "logical blocks (a block table kvbackend's manager did not "
                                  "make)")
+            offset += k
 
 
 class PhysicalBlocks(Sequence[tuple[int, ...]]):
-    """Each block's physical block in every group, read from vLLM's per-group table
-    without copying it (0: the group lists its null block there). O(groups) per item."""
+    """Each logical block's physical blocks in every group, group by group, read from
+    vLLM's per-group table without copying it (0: the group lists its null block there).
+    O(pages) per item."""
 
-    def __init__(self, per_group: Sequence[Sequence[int]]) -> None:
-        self.per_group = per_group
+    def __init__(self, per_group: Sequence[Sequence[int]], pages: Sequence[int]) -> None:
+        self.per_group, self.pages = per_group, pages
 
     def __len__(self) -> int:
-        return len(self.per_group[0])
+        return len(self.per_group[0]) // self.pages[0]
 
     def __getitem__(self, i: int) -> tuple[int, ...]:  # type: ignore[override]
-        return tuple(ids[i] for ids in self.per_group)
+        return tuple(b for ids, k in zip(self.per_group, self.pages)
+                     for b in ids[i * k:(i + 1) * k])
 
 
 class PagedBlockGroups:
@@ -215,7 +217,7 @@ class PagedBlockGroups:
                     ) -> tuple[Sequence[int], Sequence[tuple[int, ...]]]:
         """As ``BlockGroups.tier_blocks``: a logical id is the full-attention group's
         block id (nothing to check). O(1)."""
-        return per_group[self.full_group], PhysicalBlocks(per_group)
+        return per_group[self.full_group], PhysicalBlocks(per_group, [1] * self.num_groups)
 
 
 def with_block_hashes(blocks: KVCacheBlocks, hashes: Sequence[BlockHash]) -> KVCacheBlocks:

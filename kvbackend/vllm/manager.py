@@ -115,10 +115,11 @@ below):
   whole block tables, or groups of different block sizes): one logical block is
   the scheduler's block (the least common multiple of the groups' block sizes),
   and as many physical blocks per group as it spans there (Gemma 4: one
-  sliding-window block of 64 tokens and two full-attention blocks of 32; the
-  tiers, other connectors and KV events, which move or announce one block per
-  group, are refused with different sizes, and ``max_model_len`` must be a
-  multiple of the logical block, the width vLLM gives each group's table),
+  sliding-window block of 64 tokens and two full-attention blocks of 32, which a
+  tier block holds together; other connectors and KV events, which move or
+  announce one block per group, are refused with different sizes, and
+  ``max_model_len`` must be a multiple of the logical block, the width vLLM gives
+  each group's table),
   every group keeping every block of a live or cached sequence, so token-exact
   hits and copy-on-write (one copy per group) carry over unchanged; a
   sliding-window request then holds as many blocks as a full-attention one, and
@@ -308,6 +309,7 @@ from kvbackend.vllm.state_checkpoints import StateCheckpoints
 from kvbackend.vllm.state_pages import StatePages
 from kvbackend.vllm.step_fence import StepFence
 from kvbackend.vllm.step_writes import StepWrites
+from kvbackend.vllm.tier_identity import pages_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -364,9 +366,13 @@ class KVBackendManager(KVCacheManager):
         paged = windowed if not self.state_groups else self.state_groups
         # each group's blocks in one logical block (the scheduler's): more than one where
         # vLLM gave a group a smaller block size; such groups keep every block
-        pages = [self.block_size // group.kv_cache_spec.block_size
-                 for group in self.kv_cache_config.kv_cache_groups]
+        pages = pages_per_block(self.kv_cache_config)
         self._mixed_block_sizes = max(pages) > 1
+        if self._mixed_block_sizes and any(
+                n * group.kv_cache_spec.block_size != self.block_size
+                for n, group in zip(pages, self.kv_cache_config.kv_cache_groups)):
+            raise ValueError(f"the scheduler's block size {self.block_size} is not the least "
+                             "common multiple of the KV-cache groups' block sizes")
         if self._mixed_block_sizes and windowed:
             logger.warning("kvbackend: KV-cache groups of different block sizes keep their "
                            "sliding-window blocks for the whole context (vLLM frees those "

@@ -55,8 +55,8 @@ UNCHECKED_LAYERS_REFUSAL = (
 MIXED_BLOCK_SIZES_REFUSAL = (
     "KV-cache groups with different block sizes (vLLM gives them to models whose layer "
     "kinds differ in KV bytes per token, such as Gemma 4's sliding-window and "
-    "full-attention layers) together with kvbackend's tiers, another KV connector, KV "
-    "events or state layers (not done yet: those move or announce one block per group "
+    "full-attention layers) together with another KV connector than kvbackend's tiers, "
+    "KV events or state layers (not done yet: those move or announce one block per group "
     "and logical block)")
 
 
@@ -110,7 +110,8 @@ def unsupported_features(config: VllmConfig,
             states and not all(map(is_tier_connector, child_configs(transfer))),
         MIXED_BLOCK_SIZES_REFUSAL:
             kv_cache_config is not None and _has_mixed_block_sizes(kv_cache_config)
-            and (transfer is not None or states or _kv_events_on(config)),
+            and (not all(map(is_tier_connector, child_configs(transfer))) or states
+                 or _kv_events_on(config)),
     }
     return [name for name, present in checks.items() if present] + connector_refusals(transfer)
 

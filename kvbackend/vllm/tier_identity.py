@@ -38,6 +38,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -136,10 +137,35 @@ def _drafter(vllm_config: VllmConfig) -> dict | None:
             "dtype": draft.dtype, "modules_writing_kv": modules}
 
 
+def logical_block_size(kv_cache_config: KVCacheConfig) -> int:
+    """Tokens of one logical block (kvbackend's tree and tier block): the least common
+    multiple of the attention groups' block sizes (vLLM's scheduler block; a state
+    group's block in "align" mode is that size). O(groups)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+             if not isinstance(g.kv_cache_spec, MambaSpec)]
+    if not sizes:
+        return kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    return math.lcm(*sizes)
+
+
+def pages_per_block(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Each group's blocks in one logical block (``block_groups.BlockGroups``; a state
+    group: one). O(groups)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    logical = logical_block_size(kv_cache_config)
+    return [1 if isinstance(g.kv_cache_spec, MambaSpec) else logical // g.kv_cache_spec.block_size
+            for g in kv_cache_config.kv_cache_groups]
+
+
 def block_nbytes(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one tier block: one block of every layer of every group (one payload)."""
-    return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-               for group in kv_cache_config.kv_cache_groups)
+    """Bytes of one tier block: every layer's blocks of every group in one logical block
+    (one payload; ``pages_per_block``)."""
+    return sum(pages * group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+               for pages, group in zip(pages_per_block(kv_cache_config),
+                                       kv_cache_config.kv_cache_groups))
 
 
 def _group_layout(groups: Sequence[KVCacheGroupSpec]) -> list[str]:

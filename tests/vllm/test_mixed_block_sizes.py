@@ -19,12 +19,14 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 
 from kvbackend.testing.tiny_model import build_tiny_gemma4
+from kvbackend.vllm import engine_kwargs
 from kvbackend.vllm.block_groups import BlockGroups
-from tests.vllm.conftest import generate, make_engine, shutdown
+from tests.vllm.conftest import cached_since, cached_by_source, generate, make_engine, shutdown
 from tests.vllm.conftest import random_tokens as tokens
 from tests.vllm.test_sliding_window import check_shared_prefix_rounds
 
 ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=4 << 20)  # 42 logical blocks
+LOGICAL = 64  # tokens of a logical block: the sliding-window group's block size
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +77,33 @@ def test_memory_pressure_keeps_outputs_exact(engines):
         got, want = generate(kvb, prompts, params), generate(ref, prompts, params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert sum(o.num_cached_tokens >= len(shared) for o in got) > 0
+
+
+def test_host_and_disk_tiers_hold_every_groups_blocks(gemma4, engines, tmp_path):
+    """A tier block is a logical block: its sliding-window block and its two full-attention
+    blocks in one payload. Engine A (host and disk tiers) computes three prompts, forgets
+    them on the device and loads their whole logical blocks back from host; engine B, a
+    new engine on the same directory, loads them from disk. A group's blocks misplaced in
+    the payload or the table would change the greedy outputs."""
+    rng = random.Random(9)
+    system = tokens(rng, 3 * LOGICAL + 20)
+    prompts = [system + tokens(rng, 50 + 7 * i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = [o.outputs[0].token_ids for o in generate(engines["no-cache"], prompts, params)]
+    whole = [(len(p) - 1) // LOGICAL * LOGICAL for p in prompts]
+    tiers = engine_kwargs(host_cache_gb=0.05, disk_cache_dir=str(tmp_path))
+    for source in ("host", "disk"):
+        llm = make_engine(gemma4, "kvbackend", **ENGINE, disable_log_stats=False, **tiers)
+        try:
+            if source == "host":
+                first = [generate(llm, [p], params)[0] for p in prompts]
+                assert [o.outputs[0].token_ids for o in first] == want
+                assert llm.reset_prefix_cache()  # the device forgets, the tiers keep
+            before = cached_by_source(llm)
+            got = [generate(llm, [p], params)[0] for p in prompts]  # one at a time
+            gained = cached_since(llm, before)
+        finally:
+            shutdown(llm)
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert [o.num_cached_tokens for o in got] == whole
+        assert sum(gained.values()) == sum(whole) and gained[source] >= whole[0], gained

@@ -193,7 +193,7 @@ def _groups_config(*specs, num_blocks: int = 64) -> KVCacheConfig:
         for i, spec in enumerate(specs)])
 
 
-def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
+def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model, tmp_path):
     config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
                         block_size=BLOCK_SIZE, **engine_kwargs()).create_engine_config()
     window = _spec(SlidingWindowSpec, sliding_window=64)
@@ -209,18 +209,20 @@ def test_state_layers_and_mixed_block_sizes_are_refused(tiny_model):
                           dtypes=(torch.float32,), mamba_cache_mode="align")
         assert unsupported_features(
             config, _groups_config(_spec(FullAttentionSpec), mamba)) == refused
-    # Gemma 4's shape (test_mixed_block_sizes.py): served alone, refused with what moves or
-    # announces one block per group and logical block
+    # Gemma 4's shape (test_mixed_block_sizes.py): served alone and with kvbackend's tiers,
+    # refused with what moves or announces one block per group and logical block
     wide = _groups_config(_spec(FullAttentionSpec),
                           _spec(SlidingWindowSpec, 2 * BLOCK_SIZE, sliding_window=64))
     assert unsupported_features(config, wide) == []
     config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True)
     assert unsupported_features(config, wide) == [MIXED_BLOCK_SIZES_REFUSAL]
-    config.kv_events_config = None
-    with_tiers = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
-                            block_size=BLOCK_SIZE,
-                            **engine_kwargs(host_cache_gb=1)).create_engine_config()
-    assert unsupported_features(with_tiers, wide) == [MIXED_BLOCK_SIZES_REFUSAL]
+    for transfer, refused in (({"host_cache_gb": 1}, []),
+                              ({"kv_transfer_config": example_connector(str(tmp_path))},
+                               [MIXED_BLOCK_SIZES_REFUSAL])):
+        composed = EngineArgs(model=tiny_model, dtype="float32", max_model_len=512,
+                              block_size=BLOCK_SIZE,
+                              **engine_kwargs(**transfer)).create_engine_config()
+        assert unsupported_features(composed, wide) == refused
 
 
 def test_mixed_block_sizes_need_a_max_model_len_of_whole_logical_blocks(tiny_model):

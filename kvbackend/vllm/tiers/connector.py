@@ -168,10 +168,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================ scheduler
     def _make_planner(self) -> TierPlanner | None:
-        from kvbackend.vllm.tier_identity import tier_identity
+        from kvbackend.vllm.tier_identity import logical_block_size, tier_identity
         from kvbackend.vllm.tiers.planner import TierPlanner
 
-        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         try:
             identity = tier_identity(self._vllm_config, self.kv_cache_config, tp_rank=0)
         except Exception as e:  # noqa: BLE001
@@ -190,7 +189,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                     self.host_bytes // max(1, self.ordinary_nbytes), self.ordinary_nbytes,
                     self.settings.disk_cache_dir or "off", remotes[0].url if remotes else "off",
                     identity.digest()[:16])
-        return TierPlanner(spec.block_size, identity.digest(), capacity,
+        return TierPlanner(logical_block_size(self.kv_cache_config), identity.digest(), capacity,
                            (lambda key: all(d.contains(key) for d in disks)) if disks else None,
                            (lambda keys: _held_by_all(remotes, keys)) if remotes else None,
                            max(1, REMOTE_STEP_BYTES // max(1, self.block_nbytes)),
@@ -446,7 +445,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
         from kvbackend.ops import BlockMover, block_layout
         from kvbackend.store import HostTier
         from kvbackend.store.disk_tier import DiskMode
-        from kvbackend.vllm.tier_identity import tier_identity
+        from kvbackend.vllm.tier_identity import (
+            logical_block_size, pages_per_block, tier_identity,
+        )
         from kvbackend.vllm.tiers.worker import cache_layers
 
         config = self.kv_cache_config
@@ -455,9 +456,9 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
             kv_caches, [name for g, group in enumerate(groups) if g not in self.state_groups
                         for name in group.layer_names], config.num_blocks,
             [name for g in self.state_groups for name in groups[g].layer_names])
-        nbytes = block_layout(layers, block_dim).block_nbytes * self.num_groups
+        nbytes = block_layout(layers, block_dim).block_nbytes * sum(pages_per_block(config))
         if nbytes != self.block_nbytes:
-            raise ValueError(f"a block of every group holds {nbytes} bytes over the KV "
+            raise ValueError(f"a logical block of every group holds {nbytes} bytes over the KV "
                              f"tensors, expected {self.block_nbytes} from the KV cache "
                              "specs (e.g. groups with different numbers of layers)")
         rank = _tp_rank()
@@ -470,7 +471,7 @@ class KVBackendTierConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvbackend tiers: disk tier at %s is %s; the server keeps "
                                "serving without persisting KV blocks", self.settings.disk_cache_dir,
                                "read-only" if disk.mode is DiskMode.RO else "disabled")
-        return BlockMover(layers, block_dim, self.block_nbytes, groups[0].kv_cache_spec.block_size,
+        return BlockMover(layers, block_dim, self.block_nbytes, logical_block_size(config),
                           host, disk, self.state_groups)
 
     def _disk_tier(self, identity: CacheIdentity, **options: Any) -> DiskTier:
