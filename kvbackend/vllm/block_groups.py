@@ -9,8 +9,7 @@ kvbackend caches every group along the same token boundaries: one *logical*
 block, the unit of its tree and pool, is the scheduler's block (the least common
 multiple of the groups' block sizes), and ``pages[g]`` consecutive physical blocks of
 group ``g`` (more than one where vLLM gave the group a smaller block size: its layers
-hold more bytes per token, as Gemma 4's full-attention layers or a draft model with
-other head sizes do),
+hold more bytes per token, as Gemma 4's full-attention layers do),
 
     physical(logical, group, j) = logical * stride + first[group] + j,  j < pages[group]
 

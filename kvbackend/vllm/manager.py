@@ -309,7 +309,7 @@ from kvbackend.vllm.state_checkpoints import StateCheckpoints
 from kvbackend.vllm.state_pages import StatePages
 from kvbackend.vllm.step_fence import StepFence
 from kvbackend.vllm.step_writes import StepWrites
-from kvbackend.vllm.tier_identity import pages_per_block
+from kvbackend.vllm.tier_identity import logical_block_size, pages_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -368,9 +368,7 @@ class KVBackendManager(KVCacheManager):
         # vLLM gave a group a smaller block size; such groups keep every block
         pages = pages_per_block(self.kv_cache_config)
         self._mixed_block_sizes = max(pages) > 1
-        if self._mixed_block_sizes and any(
-                n * group.kv_cache_spec.block_size != self.block_size
-                for n, group in zip(pages, self.kv_cache_config.kv_cache_groups)):
+        if self._mixed_block_sizes and logical_block_size(self.kv_cache_config) != self.block_size:
             raise ValueError(f"the scheduler's block size {self.block_size} is not the least "
                              "common multiple of the KV-cache groups' block sizes")
         if self._mixed_block_sizes and windowed:
